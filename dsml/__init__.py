@@ -1,0 +1,54 @@
+"""dsml: peer-to-peer collectives for machine-learning workers over ZeroMQ and asyncio.
+
+    import dsml, numpy as np
+
+    async with dsml.init("tcp://127.0.0.1:5555", world_size=4) as comm:
+        x = np.arange(8, dtype=np.float32)
+        await comm.all_reduce(x)          # in place on every rank
+
+See README.md and docs/ for concepts, the protocol and the command line.
+"""
+
+from ._version import __version__
+from .collectives.ops import ReduceOp
+from .communicator import CollectiveHandle, Communicator, init
+from .config import CommConfig, RegistryConfig
+from .errors import (
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigError,
+    DependencyFailedError,
+    DsmlError,
+    JoinTimeoutError,
+    MembershipChangedError,
+    PeerLostError,
+    ProtocolError,
+    RegistryUnavailableError,
+)
+from .membership import Registry, open_registry
+
+__all__ = [
+    "CollectiveAbortedError",
+    "CollectiveError",
+    "CollectiveHandle",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommConfig",
+    "Communicator",
+    "ConfigError",
+    "DependencyFailedError",
+    "DsmlError",
+    "JoinTimeoutError",
+    "MembershipChangedError",
+    "PeerLostError",
+    "ProtocolError",
+    "ReduceOp",
+    "Registry",
+    "RegistryConfig",
+    "RegistryUnavailableError",
+    "__version__",
+    "init",
+    "open_registry",
+]

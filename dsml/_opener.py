@@ -1,0 +1,44 @@
+"""`open_*` results that work both with `await` and with `async with` (leaf module)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator
+from types import TracebackType
+from typing import Any, Generic, Protocol, TypeVar
+
+__all__ = ["AsyncResource", "Opener"]
+
+
+class AsyncResource(Protocol):
+    async def aclose(self) -> None: ...
+
+
+R = TypeVar("R", bound=AsyncResource)
+
+
+class Opener(Generic[R]):
+    """`await opener` gives the resource; `async with opener as r` also closes it."""
+
+    def __init__(self, open_fn: Callable[[], Awaitable[R]]) -> None:
+        self._open_fn = open_fn
+        self._resource: R | None = None
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self._open().__await__()
+
+    async def _open(self) -> R:
+        return await self._open_fn()
+
+    async def __aenter__(self) -> R:
+        self._resource = await self._open_fn()
+        return self._resource
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        resource, self._resource = self._resource, None
+        if resource is not None:
+            await resource.aclose()

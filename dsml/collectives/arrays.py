@@ -1,0 +1,163 @@
+"""Everything the collectives need from an array, behind one small interface (collectives).
+
+Algorithms never touch numpy directly: they ask an `ArrayBackend` for the bytes of a span
+to send, and to reduce or write received bytes into a span. A GPU backend (cupy) plugs in
+here without changing any algorithm; `backend_of` finds it by the array's type, without
+importing cupy unless such an array is passed.
+
+Arrays handed to algorithms are flat (1-D) and C-contiguous; spans are element ranges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from .ops import ReduceOp
+
+__all__ = ["NUMPY", "ArrayBackend", "BufferPool", "backend_of"]
+
+Array = Any  # numpy.ndarray here; cupy.ndarray for the GPU backend
+
+_UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+
+class ArrayBackend:
+    """numpy implementation; see the module docstring."""
+
+    name = "numpy"
+
+    def owns(self, x: object) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def flat_view(self, x: Array) -> Array | None:
+        """A flat view sharing x's memory, or None when x is not C-contiguous."""
+        if x.flags.c_contiguous and x.dtype.isnative:
+            return x.reshape(-1)
+        return None
+
+    def copy_flat(self, x: Array, out: Array) -> None:
+        """Copy x (any strides, any byte order) into the flat array out."""
+        np.copyto(out.reshape(x.shape), x)
+
+    def copy_out(self, flat: Array, x: Array) -> None:
+        """Write a flat result back into x (any strides)."""
+        np.copyto(x, flat.reshape(x.shape))
+
+    def empty(self, count: int, dtype: np.dtype[Any]) -> Array:
+        return np.empty(count, dtype=dtype)
+
+    def payload(self, a: Array, lo: int, hi: int) -> memoryview:
+        """The bytes of a[lo:hi], without copying."""
+        return memoryview(a[lo:hi]).cast("B")
+
+    def view(self, data: memoryview, dtype: np.dtype[Any]) -> Array:
+        """Received bytes as a flat array (no copy; writable when the frame is)."""
+        return np.frombuffer(data, dtype=dtype)
+
+    def reduce(
+        self,
+        op: ReduceOp,
+        out: Array,
+        lo: int,
+        hi: int,
+        local: Array,
+        data: memoryview,
+        *,
+        data_first: bool,
+    ) -> None:
+        """out[lo:hi] = op(data, local[lo:hi]) if data_first else op(local[lo:hi], data)."""
+        if hi <= lo:
+            return
+        received = np.frombuffer(data, dtype=out.dtype)
+        mine = local[lo:hi]
+        ufunc = _UFUNCS[op]
+        if data_first:
+            ufunc(received, mine, out=out[lo:hi])
+        else:
+            ufunc(mine, received, out=out[lo:hi])
+
+    def write(self, out: Array, lo: int, hi: int, data: memoryview) -> None:
+        """out[lo:hi] = the received bytes."""
+        if hi > lo:
+            out[lo:hi] = np.frombuffer(data, dtype=out.dtype)
+
+    def copy(self, out: Array, lo: int, hi: int, src: Array) -> None:
+        """out[lo:hi] = src[lo:hi]."""
+        if hi > lo:
+            out[lo:hi] = src[lo:hi]
+
+    def scale(self, out: Array, lo: int, hi: int, world_size: int) -> None:
+        """out[lo:hi] /= world_size (the last step of op='avg')."""
+        if hi > lo:
+            np.divide(out[lo:hi], world_size, out=out[lo:hi], casting="unsafe")
+
+
+NUMPY = ArrayBackend()
+
+
+def backend_of(x: object, what: str = "x") -> ArrayBackend:
+    """The backend for x's array type; ConfigError when x is not an array dsml knows."""
+    if NUMPY.owns(x):
+        return NUMPY
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        raise ConfigError(
+            f"{what} is a cupy array; GPU arrays are not supported by this version of dsml "
+            "yet: copy it to the host with .get() first"
+        )
+    raise ConfigError(
+        f"{what} must be a numpy array, got {type(x).__name__}; wrap it with numpy.asarray"
+    )
+
+
+class BufferPool:
+    """Reusable flat work buffers, so large collectives do not page-fault fresh memory.
+
+    Writing a freshly allocated 64 MiB buffer costs several times more than reusing one
+    (first-touch page faults), so buffers go back to the pool after a successful call.
+    Buffers of a failed call are not returned: ZeroMQ may still hold them.
+    """
+
+    def __init__(self, backend: ArrayBackend, *, max_cached_bytes: int = 512 << 20) -> None:
+        self._backend = backend
+        self._free: list[Array] = []
+        self._max_cached_bytes = max_cached_bytes
+
+    def acquire(self, count: int, dtype: np.dtype[Any]) -> Array:
+        """A flat buffer of count elements (contents undefined)."""
+        nbytes = count * dtype.itemsize
+        for index, raw in enumerate(self._free):
+            if nbytes <= raw.nbytes <= 2 * nbytes + 4096:
+                del self._free[index]
+                return raw[:nbytes].view(dtype)
+        return self._backend.empty(max(nbytes, 1), np.dtype(np.uint8))[:nbytes].view(dtype)
+
+    def release(self, buf: Array) -> None:
+        """Give a buffer from `acquire` back (only once ZeroMQ is done with it)."""
+        raw = buf.base if buf.base is not None else buf
+        while raw.base is not None:
+            raw = raw.base
+        if raw.nbytes < 64 * 1024:
+            return  # small buffers are cheap to allocate
+        self._free.append(raw)
+        while sum(b.nbytes for b in self._free) > self._max_cached_bytes:
+            self._free.pop(0)
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(b.nbytes for b in self._free)
+
+    def __repr__(self) -> str:
+        return (
+            f"<BufferPool {self._backend.name} buffers={len(self._free)} bytes={self.cached_bytes}>"
+        )

@@ -1,0 +1,10 @@
+"""Communicator layer: binds a view and the transport into a Group for every call.
+
+Public methods, fingerprints, aborts, timeouts; see `communicator.py` for the API.
+"""
+
+from .communicator import Communicator
+from .handle import CollectiveHandle
+from .init import init
+
+__all__ = ["CollectiveHandle", "Communicator", "init"]

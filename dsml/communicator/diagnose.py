@@ -1,0 +1,111 @@
+"""Error messages that say what happened, on which ranks, and what to do (communicator).
+
+Aborts carry a reason and a ready-made message from the rank that detected the problem,
+so every rank raises the same explanation; `error_from_abort` rebuilds the right
+exception type on the receiving side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import (
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+)
+from ..wire import Envelope, Fields, Fingerprint
+
+__all__ = [
+    "abort_body",
+    "error_from_abort",
+    "goodbye_message",
+    "mismatch_message",
+    "timeout_message",
+]
+
+_ADVICE = (
+    "Every rank must make the same collective calls, in the same order, with matching arguments."
+)
+
+
+def mismatch_message(cid: int, a: int, a_fp: Fingerprint, b: int, b_fp: Fingerprint) -> str:
+    differing = ", ".join(a_fp.conflicts(b_fp)) or "call"
+    return (
+        f"collective #{cid} does not match across ranks: rank {a} called {a_fp.describe()} "
+        f"but rank {b} called {b_fp.describe()} (different {differing}). {_ADVICE}"
+    )
+
+
+def goodbye_message(cid: int, fp: Fingerprint, me: int, peer: int, last: int) -> str:
+    return (
+        f"rank {me} is in collective #{cid} {fp.describe()}, but rank {peer} closed its "
+        f"communicator after collective #{last}: an extra call on rank {me} or a missing "
+        f"call on rank {peer}. {_ADVICE}"
+    )
+
+
+def timeout_message(
+    cid: int, fp: Fingerprint, me: int, seconds: float, progress: dict[int, int | None]
+) -> tuple[str, list[int]]:
+    """Message and missing ranks, from each peer's last started collective (None: silent)."""
+    silent = [r for r, last in progress.items() if last is None]
+    behind = {r: last for r, last in progress.items() if last is not None and last < cid}
+    parts = [
+        f"rank {r} has not arrived (its last collective is #{last})" for r, last in behind.items()
+    ]
+    if silent:
+        parts.append(f"rank{'s' if len(silent) > 1 else ''} {_join(silent)} did not answer")
+    if not parts:
+        parts.append("every rank has arrived, but the data did not flow in time")
+    missing = sorted([*behind, *silent])
+    advice = (
+        "check that those ranks reach this call (a missing call, an exception, a hang)"
+        if missing
+        else f"raise timeout= above {seconds:g} s, or check the network"
+    )
+    message = (
+        f"collective #{cid} {fp.describe()} timed out after {seconds:g} s on rank {me}: "
+        f"{'; '.join(parts)}. {advice[0].upper()}{advice[1:]}."
+    )
+    return message, missing
+
+
+def _join(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def abort_body(reason: str, message: str, origin: int, ranks: Sequence[int] = ()) -> dict[str, Any]:
+    return {"reason": reason, "message": message, "origin": origin, "ranks": list(ranks)}
+
+
+def error_from_abort(env: Envelope, mine: Fingerprint, me: int) -> CollectiveError:
+    """The exception this rank raises for an Abort received for its call `mine`."""
+    fields = Fields(env.body, "Abort")
+    reason = fields.get_str("reason", 32)
+    message = fields.get_str("message", 8192)
+    origin = fields.get_int("origin", 0, 1 << 20)
+    ranks = fields.int_list("ranks", 0, 1 << 20)
+    where: dict[str, Any] = {
+        "rank": me,
+        "epoch": env.epoch,
+        "cid": env.cid,
+        "collective": mine.collective,
+    }
+    theirs = env.fingerprint
+    if reason == "mismatch":
+        return CollectiveMismatchError(message, ranks=ranks, **where)
+    if reason == "timeout":
+        return CollectiveTimeoutError(message, missing=ranks, **where)
+    if theirs is not None and mine.conflicts(theirs):
+        text = mismatch_message(env.cid, me, mine, origin, theirs)
+        return CollectiveMismatchError(
+            f"{text} Rank {origin} reported: {message}", ranks=(me, origin), **where
+        )
+    return CollectiveAbortedError(
+        f"collective #{env.cid} {mine.describe()} was abandoned by rank {origin}: {message}",
+        origin=origin,
+        **where,
+    )

@@ -1,0 +1,60 @@
+"""Awaitable handles returned by every collective call (communicator layer)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["CollectiveHandle"]
+
+T = TypeVar("T")
+
+
+class CollectiveHandle(Generic[T]):
+    """A collective that has started; `await handle` gives its result.
+
+    Cancelling the handle (or the task awaiting it) aborts the collective on every rank:
+    the peers fail with `CollectiveAbortedError` instead of waiting for this rank.
+    """
+
+    __slots__ = ("_task", "cid", "collective")
+
+    def __init__(self, task: asyncio.Task[T], collective: str, cid: int) -> None:
+        self._task = task
+        self.collective = collective
+        self.cid = cid
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._task.__await__()
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def cancelled(self) -> bool:
+        return self._task.cancelled()
+
+    def result(self) -> T:
+        """The result; raises if the collective failed or is not done."""
+        return self._task.result()
+
+    def exception(self) -> BaseException | None:
+        return self._task.exception()
+
+    def cancel(self, msg: str | None = None) -> bool:
+        """Cancel here and abort the collective on the other ranks."""
+        return self._task.cancel(msg)
+
+    def add_done_callback(self, fn: Callable[[CollectiveHandle[T]], object]) -> None:
+        self._task.add_done_callback(lambda _task: fn(self))
+
+    def __repr__(self) -> str:
+        if not self._task.done():
+            state = "running"
+        elif self._task.cancelled():
+            state = "cancelled"
+        elif self._task.exception() is not None:
+            state = f"failed: {type(self._task.exception()).__name__}"
+        else:
+            state = "done"
+        return f"<CollectiveHandle {self.collective} #{self.cid} {state}>"

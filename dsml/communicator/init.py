@@ -1,0 +1,137 @@
+"""`dsml.init`: join a group through the registry and return a communicator (communicator).
+
+This is an edge: it resolves explicit arguments over `DSML_*` environment variables over
+defaults, once, and hands frozen configuration inward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import secrets
+import socket
+from collections.abc import Mapping
+
+from .._opener import Opener
+from ..config import CommConfig, env_float, env_int, environ
+from ..errors import ConfigError
+from ..membership import Member, RegistryClient
+from ..transport import check_address
+from .communicator import Communicator
+from .mesh import Mesh
+
+__all__ = ["init"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _JoinArgs:
+    registry: str
+    world_size: int
+    rank: int | None
+    name: str
+    config: CommConfig
+
+
+def _resolve(
+    address: str | None,
+    world_size: int | None,
+    rank: int | None,
+    name: str | None,
+    timeout: float | None,
+    config: CommConfig | None,
+    device: str | None,
+    env: Mapping[str, str],
+) -> _JoinArgs:
+    registry = address or env.get("DSML_REGISTRY", "").strip() or None
+    if registry is None:
+        raise ConfigError(
+            "no registry address: call dsml.init('tcp://host:port', world_size=N), set "
+            "DSML_REGISTRY, or start the script with `dsml run -n N script.py`"
+        )
+    check_address(registry, "registry address")
+    size = world_size if world_size is not None else env_int(env, "DSML_WORLD_SIZE")
+    if type(size) is not int or size < 1:
+        raise ConfigError(
+            f"world_size must be a positive integer (argument or DSML_WORLD_SIZE), got {size!r}"
+        )
+    rank = rank if rank is not None else env_int(env, "DSML_RANK")
+    if rank is not None and not 0 <= rank < size:
+        raise ConfigError(f"rank={rank} is out of range for world_size={size}")
+    if device not in (None, "cpu"):
+        raise ConfigError(
+            f"device={device!r} is not supported by this version of dsml: only 'cpu' (numpy)"
+        )
+    config = config or CommConfig()
+    timeout = timeout if timeout is not None else env_float(env, "DSML_TIMEOUT")
+    if timeout is not None:
+        config = dataclasses.replace(config, timeout=timeout)
+    bind = env.get("DSML_BIND", "").strip()
+    if bind and config.bind == CommConfig().bind:
+        config = dataclasses.replace(config, bind=bind)
+    name = name if name is not None else env.get("DSML_NAME", "")
+    return _JoinArgs(registry, size, rank, name, config)
+
+
+def _advertised(address: str) -> str:
+    """The bound address as peers can reach it (a wildcard host becomes this host)."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
+        if address.startswith(wildcard):
+            host = socket.gethostbyname(socket.gethostname())
+            return f"tcp://{host}:{address[len(wildcard) :]}"
+    return address
+
+
+async def _join(args: _JoinArgs) -> Communicator:
+    loop = asyncio.get_running_loop()
+    member_id = secrets.token_hex(8)
+    mesh = Mesh(member_id, args.config)
+    address = _advertised(mesh.bind())
+    member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
+    registry = RegistryClient(args.registry, member, args.config)
+    try:
+        registry.open()
+        view = await registry.join(args.world_size, args.rank)
+        mesh.set_view(view)
+    except BaseException:
+        await registry.aclose()
+        await mesh.aclose()
+        raise
+    return Communicator(mesh, registry, args.config, loop)
+
+
+def init(
+    address: str | None = None,
+    world_size: int | None = None,
+    *,
+    rank: int | None = None,
+    name: str | None = None,
+    timeout: float | None = None,
+    config: CommConfig | None = None,
+    device: str | None = None,
+) -> Opener[Communicator]:
+    """Join the group of the registry at `address` and return this worker's communicator.
+
+    Args:
+        address: the registry (default: `DSML_REGISTRY`, set by `dsml run`).
+        world_size: members the group needs before it forms (default: `DSML_WORLD_SIZE`).
+        rank: ask for this rank (default: `DSML_RANK` if set, else the join order).
+        name: a label shown by status tools.
+        timeout: default seconds a collective may take (default: `DSML_TIMEOUT`, else 120).
+        config: all other settings (`CommConfig`).
+        device: "cpu" (numpy arrays).
+
+    Use `async with dsml.init(...) as comm:` or `comm = await dsml.init(...)` followed by
+    `await comm.aclose()`.
+
+    Raises:
+        ConfigError: missing or invalid arguments, or the registry refused this worker.
+        RegistryUnavailableError: no registry answered at the address.
+        JoinTimeoutError: the group did not form within `config.join_timeout`.
+    """
+    args = _resolve(address, world_size, rank, name, timeout, config, device, environ())
+
+    async def open_communicator() -> Communicator:
+        return await _join(args)
+
+    return Opener(open_communicator)

@@ -1,0 +1,332 @@
+"""The data plane of one worker: endpoint, peer channels and inbound routing (communicator).
+
+The mesh binds the worker's endpoint, connects a channel to every peer of the current
+view, and is the one place that looks at incoming messages. Its reader (the endpoint's)
+routes each message by `(epoch, cid, sender rank, lane)` into the mailbox and, on the way,
+checks the sender's fingerprint against the call this rank has made under that id: a
+mismatch fails the call at once and aborts it everywhere. Stale epochs are dropped and
+counted; messages of a view this rank has not seen yet are held until it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine, Hashable, Sequence
+from typing import Any
+
+from ..collectives.group import Lane
+from ..config import CommConfig
+from ..errors import CollectiveAbortedError, CollectiveError, CollectiveMismatchError, ProtocolError
+from ..membership import View
+from ..transport import Channel, Endpoint, Mailbox, Sent
+from ..wire import Envelope, Fields, Kind
+from .call import Call
+from .diagnose import abort_body, error_from_abort, goodbye_message, mismatch_message
+
+__all__ = ["Mesh"]
+
+log = logging.getLogger("dsml.communicator")
+
+_MAX_HELD = 10_000  # messages of a view not seen yet
+_MAX_AHEAD = 1 << 20  # how far past our newest call a peer's collective id may be
+_LANES = {Kind.CHUNK: Lane.DATA, Kind.CONFIRM: Lane.CONFIRM}
+
+Item = tuple[Envelope, list[memoryview]]
+
+
+class Mesh:
+    """See the module docstring. `bind` first, then `set_view`."""
+
+    def __init__(self, member_id: str, config: CommConfig) -> None:
+        self.member_id = member_id
+        self.config = config
+        self.view: View | None = None
+        self.rank = -1
+        self.mailbox: Mailbox[Item] = Mailbox()
+        self.calls: dict[tuple[int, int], Call] = {}
+        self.receives: set[Call] = set()  # point-to-point receives in flight
+        self.next_cid = 1
+        self.counters: Counter[str] = Counter()
+        self.closed_after: dict[int, int] = {}
+        self._endpoint: Endpoint | None = None
+        self._channels: dict[int, Channel] = {}
+        self._ranks: dict[bytes, int] = {}
+        self._aborts: dict[int, Envelope] = {}
+        self._held: list[tuple[bytes, Envelope, list[memoryview]]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._handlers: dict[Kind, Callable[[int, Envelope, list[memoryview]], None]] = {
+            Kind.CHUNK: self.handle_chunk,
+            Kind.CONFIRM: self.handle_chunk,
+            Kind.ABORT: self.handle_abort,
+            Kind.PROBE: self.handle_probe,
+            Kind.PROGRESS: self.handle_progress,
+            Kind.GOODBYE: self.handle_goodbye,
+            Kind.PEER_MESSAGE: self.handle_peer_message,
+        }
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        """Bind the endpoint; returns the address peers will connect to."""
+        self._endpoint = Endpoint.bind(
+            self.config.bind,
+            self._dispatch,
+            max_frame_bytes=self.config.max_frame_bytes,
+            name="mesh",
+        )
+        return self._endpoint.address
+
+    def set_view(self, view: View) -> None:
+        """Adopt a view: connect to its peers and replay what arrived early for it."""
+        rank = view.rank_of(self.member_id)
+        assert rank is not None, "a view must contain this member"
+        self.view, self.rank = view, rank
+        self.next_cid = 1
+        self._ranks = {m.id.encode(): r for r, m in enumerate(view.members)}
+        for peer, member in enumerate(view.members):
+            if peer != rank:
+                self._channels[peer] = Channel.connect(
+                    member.address,
+                    self.member_id.encode(),
+                    copy_threshold=self.config.zero_copy_min_bytes,
+                    max_frame_bytes=self.config.max_frame_bytes,
+                )
+        held, self._held = self._held, []
+        for sender, env, payload in held:
+            self._dispatch(sender, env, payload)
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch if self.view is not None else 0
+
+    @property
+    def size(self) -> int:
+        return self.view.size if self.view is not None else 0
+
+    @property
+    def dropped(self) -> int:
+        """Malformed messages dropped by the endpoint."""
+        return self._endpoint.dropped if self._endpoint is not None else 0
+
+    @staticmethod
+    def key(epoch: int, cid: int, peer: int, lane: Lane) -> Hashable:
+        return (epoch, cid, peer, lane)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    async def send(self, peer: int, env: Envelope, payload: Sequence[Any] = ()) -> Sent:
+        """Queue a message to the peer of that rank."""
+        return await self._channels[peer].send(env, payload)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a fire-and-forget coroutine owned by the mesh (awaited on close)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background send failed: %s", task.exception())
+
+    def broadcast_control(self, env: Envelope, peers: Sequence[int] | None = None) -> None:
+        """Send a small control message to every peer (or to `peers`), in the background."""
+        targets = [p for p in (peers if peers is not None else self._channels) if p != self.rank]
+
+        async def send_all() -> None:
+            for peer in targets:
+                await self.send(peer, env)
+
+        if targets:
+            self.spawn(send_all())
+
+    def abort(self, call: Call, reason: str, message: str, ranks: Sequence[int] = ()) -> None:
+        """Tell every peer that `call` failed here, so they fail it too instead of waiting."""
+        body = abort_body(reason, message, self.rank, ranks)
+        self.broadcast_control(
+            Envelope(
+                Kind.ABORT, call.epoch, self.rank, call.cid, fingerprint=call.fingerprint, body=body
+            )
+        )
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def register(self, call: Call) -> None:
+        self.calls[(call.epoch, call.cid)] = call
+
+    def check_start(self, call: Call) -> CollectiveError | None:
+        """Failures known before the call runs: an abort, a peer that left, early mismatch."""
+        abort = self._aborts.pop(call.cid, None)
+        if abort is not None:
+            return error_from_abort(abort, call.fingerprint, self.rank)
+        for peer, last in self.closed_after.items():
+            if last < call.cid:
+                return self._goodbye_error(call, peer, last)
+        for peer in range(self.size):
+            for lane in Lane:
+                for env, _ in self.mailbox.peek(self.key(call.epoch, call.cid, peer, lane))[:1]:
+                    error = self._mismatch(call, peer, env)
+                    if error is not None:
+                        return error
+        return None
+
+    def finish(self, call: Call) -> None:
+        """Forget a call: later messages for it are dropped as late."""
+        self.calls.pop((call.epoch, call.cid), None)
+        for peer in range(self.size):
+            for lane in Lane:
+                self.counters["late"] += self.mailbox.discard(
+                    self.key(call.epoch, call.cid, peer, lane)
+                )
+
+    def _mismatch(self, call: Call, peer: int, env: Envelope) -> CollectiveMismatchError | None:
+        theirs = env.fingerprint
+        if theirs is None:
+            raise ProtocolError(f"rank {peer} sent a collective message without fingerprint")
+        if not call.fingerprint.conflicts(theirs):
+            return None
+        message = mismatch_message(call.cid, self.rank, call.fingerprint, peer, theirs)
+        self.abort(call, "mismatch", message, (self.rank, peer))
+        return CollectiveMismatchError(
+            message,
+            ranks=(self.rank, peer),
+            rank=self.rank,
+            epoch=call.epoch,
+            cid=call.cid,
+            collective=call.fingerprint.collective,
+        )
+
+    def _goodbye_error(self, call: Call, peer: int, last: int) -> CollectiveMismatchError:
+        return CollectiveMismatchError(
+            goodbye_message(call.cid, call.fingerprint, self.rank, peer, last),
+            ranks=(self.rank, peer),
+            rank=self.rank,
+            epoch=call.epoch,
+            cid=call.cid,
+            collective=call.fingerprint.collective,
+        )
+
+    # -- inbound ----------------------------------------------------------------------------
+
+    def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        if self.view is None or env.epoch > self.epoch:
+            if len(self._held) >= _MAX_HELD:
+                raise ProtocolError("too many messages for a view this rank has not seen")
+            self._held.append((sender, env, payload))
+            return
+        if env.epoch < self.epoch:
+            self.counters["stale"] += 1
+            return
+        rank = self._ranks.get(sender)
+        if rank is None or rank == self.rank:
+            raise ProtocolError(f"{env.kind.name} from {sender[:32]!r}, not a peer of this view")
+        if env.src != rank:
+            raise ProtocolError(f"rank {rank} claims to be rank {env.src}")
+        handler = self._handlers.get(env.kind)
+        if handler is None:
+            raise ProtocolError(f"{env.kind.name} is not a peer-to-peer message")
+        handler(rank, env, payload)
+
+    def _open_call(self, env: Envelope) -> Call | None:
+        """The call a message belongs to; None if it is for a call not made yet."""
+        call = self.calls.get((env.epoch, env.cid))
+        if call is None and env.cid >= self.next_cid + _MAX_AHEAD:
+            raise ProtocolError(f"collective #{env.cid} is implausibly far ahead")
+        return call
+
+    def handle_chunk(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
+        call = self._open_call(env)
+        if call is None and env.cid < self.next_cid:
+            self.counters["late"] += 1  # the call already finished (or failed) here
+            return
+        if call is not None:
+            error = self._mismatch(call, rank, env)
+            if error is not None:
+                call.fail(error)
+                return
+        self.mailbox.put(self.key(env.epoch, env.cid, rank, _LANES[env.kind]), (env, payload))
+
+    def handle_abort(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
+        call = self._open_call(env)
+        if call is not None:
+            call.fail(error_from_abort(env, call.fingerprint, self.rank))
+        elif env.cid >= self.next_cid:
+            Fields(env.body, "Abort").get_str("message", 8192)  # validate before keeping
+            self._aborts[env.cid] = env
+        else:
+            self.counters["late"] += 1
+
+    def handle_probe(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
+        body = {"started": self.next_cid - 1}
+        reply = Envelope(Kind.PROGRESS, self.epoch, self.rank, env.cid, body=body)
+        self.broadcast_control(reply, [rank])
+
+    def handle_progress(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
+        Fields(env.body, "Progress").get_int("started")
+        self.mailbox.put(("progress", env.epoch, env.cid, rank), (env, payload))
+
+    def handle_goodbye(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
+        last = Fields(env.body, "Goodbye").get_int("last")
+        self.closed_after[rank] = last
+        for call in list(self.calls.values()):
+            if call.cid > last:
+                call.fail(self._goodbye_error(call, rank, last))
+        for receive in list(self.receives):
+            if receive.peer == rank:
+                receive.fail(
+                    CollectiveAbortedError(
+                        f"recv from rank {rank} cannot complete: rank {rank} closed its "
+                        "communicator without sending it",
+                        origin=rank,
+                        rank=self.rank,
+                        epoch=self.epoch,
+                        collective="recv",
+                    )
+                )
+
+    def handle_peer_message(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
+        if env.fingerprint is None:
+            raise ProtocolError("a point-to-point message needs a fingerprint")
+        self.mailbox.put(("p2p", env.epoch, rank, env.step), (env, payload))
+
+    # -- diagnosis --------------------------------------------------------------------------
+
+    async def probe(self, call: Call) -> dict[int, int | None]:
+        """Ask every peer for its last started collective (None: no answer in time)."""
+        peers = [p for p in range(self.size) if p != self.rank]
+        self.broadcast_control(Envelope(Kind.PROBE, call.epoch, self.rank, call.cid))
+        progress: dict[int, int | None] = dict.fromkeys(peers)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.probe_timeout):
+                for peer in peers:
+                    env, _ = await self.mailbox.get(("progress", call.epoch, call.cid, peer))
+                    progress[peer] = Fields(env.body, "Progress").get_int("started")
+        for peer in peers:
+            self.mailbox.discard(("progress", call.epoch, call.cid, peer))
+        return progress
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Say goodbye to the peers, flush background sends, close every socket."""
+        if self.view is not None:
+            body = {"last": self.next_cid - 1}
+            self.broadcast_control(Envelope(Kind.GOODBYE, self.epoch, self.rank, body=body))
+        if self._background:
+            await asyncio.wait(self._background, timeout=2.0)
+        for task in list(self._background):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.aclose(linger_s=1.0)
+        self._channels.clear()
+        if self._endpoint is not None:
+            await self._endpoint.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Mesh rank={self.rank}/{self.size} epoch={self.epoch} calls={len(self.calls)} "
+            f"mailbox={len(self.mailbox)} dropped={self.dropped} {dict(self.counters)}>"
+        )

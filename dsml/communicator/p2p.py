@@ -1,0 +1,101 @@
+"""Point-to-point send and recv (communicator layer).
+
+Messages are ordered per (source, destination, tag): each side numbers its sends and
+receives per (peer, tag), and a receive checks that the message it takes carries the
+number it expects. A message is one ZeroMQ multipart message: the envelope, whose
+fingerprint describes dtype and shape, then the payload in frames of at most
+`max_frame_bytes`. The receiver gets a new array (a single-frame payload is used in place,
+without a copy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from ..collectives import DTYPES, NUMPY, backend_of, dtype_name
+from ..collectives.chunking import chunk_spans
+from ..errors import ConfigError, ProtocolError
+from ..transport import wait_sent
+from ..wire import Envelope, Fingerprint, Kind
+from .mesh import Mesh
+
+__all__ = ["PointToPoint"]
+
+Array = Any
+_MAX_TAG = (1 << 31) - 1
+_MAX_FRAMES = 4096
+
+
+class PointToPoint:
+    """Sequence numbers and the send/recv bodies for one communicator."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self._mesh = mesh
+        self._sent: Counter[tuple[int, int]] = Counter()
+        self._received: Counter[tuple[int, int]] = Counter()
+
+    def _check_peer(self, peer: object, tag: object, what: str) -> tuple[int, int]:
+        size, rank = self._mesh.size, self._mesh.rank
+        if type(peer) is not int or not 0 <= peer < size or peer == rank:
+            raise ConfigError(
+                f"{what}={peer!r} must be another rank of this group (0..{size - 1}, not {rank})"
+            )
+        if type(tag) is not int or not 0 <= tag <= _MAX_TAG:
+            raise ConfigError(f"tag={tag!r} must be an integer in [0, 2**31)")
+        return peer, tag
+
+    def plan_send(self, x: Array, dst: object, tag: object) -> tuple[Fingerprint, Any]:
+        """Validate a send; returns its fingerprint and the coroutine function sending it."""
+        dst, tag = self._check_peer(dst, tag, "dst")
+        be = backend_of(x)
+        fp = Fingerprint("send", dtype_name(x.dtype), x.size, x.shape)
+        frame_elems = max(1, self._mesh.config.max_frame_bytes // x.dtype.itemsize)
+        if math.ceil(x.size / frame_elems) > _MAX_FRAMES:
+            raise ConfigError(f"send: {x.nbytes} bytes is more than one message may carry")
+        self._sent[(dst, tag)] += 1
+        seq = self._sent[(dst, tag)]
+
+        async def send() -> None:
+            flat = be.flat_view(x)
+            if flat is None:
+                flat = be.empty(x.size, x.dtype.newbyteorder("="))
+                be.copy_flat(x, flat)
+            frames = [be.payload(flat, lo, hi) for lo, hi in chunk_spans((0, x.size), frame_elems)]
+            env = Envelope(
+                Kind.PEER_MESSAGE, self._mesh.epoch, self._mesh.rank, seq, tag, len(frames), fp
+            )
+            receipt = await self._mesh.send(dst, env, frames if x.size else [])
+            await wait_sent([receipt])  # the caller may modify x once send returns
+
+        return fp, send
+
+    def plan_recv(self, src: object, tag: object) -> tuple[int, int, int]:
+        """Validate a recv; returns (src, tag, sequence number)."""
+        src, tag = self._check_peer(src, tag, "src")
+        self._received[(src, tag)] += 1
+        return src, tag, self._received[(src, tag)]
+
+    async def receive(self, src: int, tag: int, seq: int) -> Array:
+        """Take the next message from (src, tag) and turn it into a new array."""
+        env, frames = await self._mesh.mailbox.get(("p2p", self._mesh.epoch, src, tag))
+        fp = env.fingerprint
+        if env.cid != seq:
+            raise ProtocolError(f"message #{env.cid} from rank {src} (tag {tag}) arrived as #{seq}")
+        if fp is None or fp.dtype not in DTYPES or fp.shape is None or fp.count is None:
+            raise ProtocolError(f"rank {src} sent a message without dtype and shape")
+        dtype = DTYPES[fp.dtype]
+        nbytes = sum(f.nbytes for f in frames)
+        if math.prod(fp.shape) != fp.count or nbytes != fp.count * dtype.itemsize:
+            raise ProtocolError(f"rank {src} sent a message whose size does not match its shape")
+        be = NUMPY  # received bytes live in host memory
+        if len(frames) == 1:
+            return be.view(frames[0], dtype).reshape(fp.shape)
+        out = be.empty(fp.count, dtype)
+        offset = 0
+        for frame in frames:
+            n = frame.nbytes // dtype.itemsize
+            be.write(out, offset, offset + n, frame)
+            offset += n
+        return out.reshape(fp.shape)

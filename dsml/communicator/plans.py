@@ -1,0 +1,283 @@
+"""Validating a collective call and planning its execution (communicator layer).
+
+Each `plan_*` function checks the caller's arguments on this rank (raising `ConfigError`
+before anything is sent), builds the call's fingerprint, and returns the coroutine that
+runs it once a `Call` exists. Results are written into the caller's array only after the
+algorithm has succeeded, so a failed call leaves every input intact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..collectives import (
+    ALL_REDUCE,
+    NUMPY,
+    ArrayBackend,
+    BufferPool,
+    ReduceOp,
+    all_gather_direct,
+    all_to_all_direct,
+    backend_of,
+    barrier_dissemination,
+    broadcast_tree,
+    check_algorithm,
+    check_op,
+    choose_all_reduce,
+    dtype_name,
+    gather_direct,
+    reduce_scatter_ring,
+    reduce_tree,
+    scatter_direct,
+)
+from ..collectives.chunking import split_spans
+from ..errors import ConfigError
+from ..wire import Fingerprint
+from .call import Call
+
+__all__ = ["Plan", "Planner", "loose_fingerprint"]
+
+Array = Any
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    fingerprint: Fingerprint
+    body: Callable[[Call], Awaitable[Any]]
+
+
+def loose_fingerprint(
+    collective: str, x: object = None, op: object = None, root: object = None
+) -> Fingerprint:
+    """A best-effort fingerprint of invalid arguments, sent with the abort they cause."""
+    dtype = getattr(x, "dtype", None)
+    shape = getattr(x, "shape", None)
+    return Fingerprint(
+        collective,
+        dtype=str(dtype)[:64] if dtype is not None else None,
+        shape=tuple(int(d) for d in shape) if isinstance(shape, tuple) else None,
+        op=str(getattr(op, "value", op))[:64] if op is not None else None,
+        root=root if type(root) is int and root >= 0 else None,
+    )
+
+
+def _rows_view(x: Array) -> Array:
+    """x with at least one axis (a 0-d array counts as shape (1,))."""
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+class Planner:
+    """Plans calls for one communicator; owns its work-buffer pools."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, BufferPool] = {}
+
+    def pool(self, be: ArrayBackend) -> BufferPool:
+        if be.name not in self._pools:
+            self._pools[be.name] = BufferPool(be)
+        return self._pools[be.name]
+
+    # -- argument checks --------------------------------------------------------------------
+
+    @staticmethod
+    def _array(x: object, what: str = "x", *, writable: bool = False) -> tuple[ArrayBackend, str]:
+        be = backend_of(x, what)
+        name = dtype_name(x.dtype)  # type: ignore[attr-defined]
+        if writable and not x.flags.writeable:  # type: ignore[attr-defined]
+            raise ConfigError(f"{what} is read-only, but this collective writes its result into it")
+        return be, name
+
+    @staticmethod
+    def _root(root: object, size: int) -> int:
+        if type(root) is not int or not 0 <= root < size:
+            raise ConfigError(
+                f"root={root!r} is not a rank of this group of {size} (0..{size - 1})"
+            )
+        return root
+
+    def _flat_input(self, be: ArrayBackend, x: Array) -> tuple[Array, Array | None]:
+        """A flat contiguous view of x, or a pooled copy (returned second, to release)."""
+        view = be.flat_view(x)
+        if view is not None:
+            return view, None
+        buf = self.pool(be).acquire(x.size, x.dtype.newbyteorder("="))
+        be.copy_flat(x, buf)
+        return buf, buf
+
+    def _release(self, be: ArrayBackend, *bufs: Array | None) -> None:
+        for buf in bufs:
+            if buf is not None:
+                self.pool(be).release(buf)
+
+    # -- reductions in place ----------------------------------------------------------------
+
+    def all_reduce(self, x: Array, op: Any, algorithm: Any, size: int) -> Plan:
+        be, dtype = self._array(x, writable=True)
+        reduce_op = check_op(op, dtype)
+        algo = check_algorithm(algorithm)
+        if algo == "auto":
+            algo = choose_all_reduce(x.nbytes, size)
+        fp = Fingerprint("all_reduce", dtype, x.size, x.shape, reduce_op.value, None, algo)
+
+        async def body(call: Call) -> Array:
+            if call.size == 1:
+                return x
+            src, copy = self._flat_input(be, x)
+            out = self.pool(be).acquire(x.size, src.dtype)
+            await ALL_REDUCE[algo](call, be, src, out, reduce_op)
+            be.copy_out(out, x)
+            self._release(be, out, copy)
+            return x
+
+        return Plan(fp, body)
+
+    def reduce(self, x: Array, root: Any, op: Any, rank: int, size: int) -> Plan:
+        root = self._root(root, size)
+        be, dtype = self._array(x, writable=rank == root)
+        reduce_op = check_op(op, dtype)
+        fp = Fingerprint("reduce", dtype, x.size, x.shape, reduce_op.value, root)
+
+        async def body(call: Call) -> Array | None:
+            if call.size == 1:
+                return x
+            src, copy = self._flat_input(be, x)
+            out = self.pool(be).acquire(x.size, src.dtype)
+            await reduce_tree(call, be, src, out, reduce_op, root)
+            if call.rank == root:
+                be.copy_out(out, x)
+            self._release(be, out, copy)
+            return x if call.rank == root else None
+
+        return Plan(fp, body)
+
+    def broadcast(self, x: Array, root: Any, rank: int, size: int) -> Plan:
+        root = self._root(root, size)
+        be, dtype = self._array(x, writable=rank != root)
+        fp = Fingerprint("broadcast", dtype, x.size, x.shape, None, root)
+
+        async def body(call: Call) -> Array:
+            if call.size == 1:
+                return x
+            if call.rank == root:
+                src, copy = self._flat_input(be, x)
+                await broadcast_tree(call, be, src, root)
+                self._release(be, copy)
+                return x
+            buf = self.pool(be).acquire(x.size, x.dtype.newbyteorder("="))
+            await broadcast_tree(call, be, buf, root)
+            be.copy_out(buf, x)
+            self._release(be, buf)
+            return x
+
+        return Plan(fp, body)
+
+    def reduce_scatter(self, x: Array, op: Any) -> Plan:
+        be, dtype = self._array(x)
+        reduce_op = check_op(op, dtype)
+        rows_x = _rows_view(x)
+        fp = Fingerprint("reduce_scatter", dtype, x.size, rows_x.shape, reduce_op.value)
+
+        async def body(call: Call) -> Array:
+            rows, trailing = rows_x.shape[0], rows_x.shape[1:]
+            row_elems = math.prod(trailing)
+            row_spans = split_spans(rows, call.size)
+            spans = [(lo * row_elems, hi * row_elems) for lo, hi in row_spans]
+            src, copy = self._flat_input(be, rows_x)
+            out = self.pool(be).acquire(rows_x.size, src.dtype)
+            if call.size == 1:
+                be.copy(out, 0, len(out), src)
+            else:
+                scale = _scaler(be, out, reduce_op, call.size)
+                await reduce_scatter_ring(call, be, src, out, reduce_op, spans, scale)
+            lo, hi = spans[call.rank]
+            mine = row_spans[call.rank]
+            result = out[lo:hi].copy().reshape(mine[1] - mine[0], *trailing)
+            self._release(be, out, copy)
+            return result
+
+        return Plan(fp, body)
+
+    # -- data movement ----------------------------------------------------------------------
+
+    def all_gather(self, x: Array) -> Plan:
+        be, dtype = self._array(x)
+        rows_x = _rows_view(x)
+        fp = Fingerprint("all_gather", dtype, None, rows_x.shape[1:])
+
+        async def body(call: Call) -> Array:
+            block, copy = self._flat_input(be, rows_x)
+            result = await all_gather_direct(call, be, block, rows_x.shape[0], rows_x.shape[1:])
+            self._release(be, copy)
+            return result
+
+        return Plan(fp, body)
+
+    def gather(self, x: Array, root: Any, size: int) -> Plan:
+        root = self._root(root, size)
+        be, dtype = self._array(x)
+        rows_x = _rows_view(x)
+        fp = Fingerprint("gather", dtype, None, rows_x.shape[1:], None, root)
+
+        async def body(call: Call) -> Array | None:
+            block, copy = self._flat_input(be, rows_x)
+            result = await gather_direct(call, be, block, rows_x.shape[0], rows_x.shape[1:], root)
+            self._release(be, copy)
+            return result
+
+        return Plan(fp, body)
+
+    def scatter(self, x: Array | None, root: Any, rank: int, size: int) -> Plan:
+        root = self._root(root, size)
+        if rank != root:
+            fp = Fingerprint("scatter", root=root)
+
+            async def receive(call: Call) -> Array:
+                return await scatter_direct(call, NUMPY, None, 0, (), root)
+
+            return Plan(fp, receive)
+        if x is None:
+            raise ConfigError(f"scatter: the root (rank {root}) must pass the array to scatter")
+        be, dtype = self._array(x)
+        rows_x = _rows_view(x)
+        fp = Fingerprint("scatter", dtype, x.size, rows_x.shape, None, root)
+
+        async def deal(call: Call) -> Array:
+            flat, copy = self._flat_input(be, rows_x)
+            result = await scatter_direct(call, be, flat, rows_x.shape[0], rows_x.shape[1:], root)
+            self._release(be, copy)
+            return result
+
+        return Plan(fp, deal)
+
+    def all_to_all(self, x: Array) -> Plan:
+        be, dtype = self._array(x)
+        rows_x = _rows_view(x)
+        fp = Fingerprint("all_to_all", dtype, None, rows_x.shape[1:])
+
+        async def body(call: Call) -> Array:
+            flat, copy = self._flat_input(be, rows_x)
+            result = await all_to_all_direct(call, be, flat, rows_x.shape[0], rows_x.shape[1:])
+            self._release(be, copy)
+            return result
+
+        return Plan(fp, body)
+
+    def barrier(self) -> Plan:
+        async def body(call: Call) -> None:
+            if call.size > 1:
+                await barrier_dissemination(call)
+
+        return Plan(Fingerprint("barrier"), body)
+
+
+def _scaler(be: ArrayBackend, out: Array, op: ReduceOp, size: int) -> Any:
+    if op is not ReduceOp.AVG:
+        return None
+
+    async def scale(_chunk: int, lo: int, hi: int) -> None:
+        be.scale(out, lo, hi, size)
+
+    return scale

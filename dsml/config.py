@@ -1,0 +1,137 @@
+"""Configuration objects (leaf module).
+
+Explicit arguments win over `DSML_*` environment variables, which win over defaults. The
+environment is read here, once, by the edges (`dsml.init`, the CLI); inner layers receive
+these frozen objects and never look at the environment.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["CommConfig", "RegistryConfig", "env_float", "env_int", "parse_size"]
+
+_MiB = 1 << 20
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(name: str, value: float) -> None:
+    _require(
+        isinstance(value, int | float) and math.isfinite(value) and value > 0,
+        f"{name} must be a positive number of seconds, got {value!r}",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CommConfig:
+    """Settings of one communicator; every rank of a group should use the same values.
+
+    Attributes:
+        timeout: default budget in seconds of one collective (each call may override it).
+        join_timeout: how long `init` waits for the group to form.
+        registry_timeout: how long to wait for the registry to answer at all.
+        probe_timeout: after a timeout, how long to ask the peers where they are.
+        chunk_bytes: pipeline unit of the large-message algorithms.
+        max_frame_bytes: largest payload frame accepted from a peer (larger: dropped).
+        zero_copy_min_bytes: frames at least this large are sent without copying.
+        bind: address the worker's endpoint binds; port 0 lets the OS choose.
+    """
+
+    timeout: float = 120.0
+    join_timeout: float = 120.0
+    registry_timeout: float = 10.0
+    probe_timeout: float = 0.5
+    chunk_bytes: int = 1 * _MiB
+    max_frame_bytes: int = 64 * _MiB
+    zero_copy_min_bytes: int = 64 * 1024
+    bind: str = "tcp://127.0.0.1:0"
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "join_timeout", "registry_timeout", "probe_timeout"):
+            _positive(name, getattr(self, name))
+        _require(
+            isinstance(self.chunk_bytes, int) and self.chunk_bytes >= 4096,
+            f"chunk_bytes must be an integer >= 4096, got {self.chunk_bytes!r}",
+        )
+        _require(
+            isinstance(self.max_frame_bytes, int) and self.max_frame_bytes >= self.chunk_bytes,
+            f"max_frame_bytes ({self.max_frame_bytes!r}) must be >= chunk_bytes "
+            f"({self.chunk_bytes})",
+        )
+        _require(
+            isinstance(self.zero_copy_min_bytes, int) and self.zero_copy_min_bytes >= 0,
+            "zero_copy_min_bytes must be a non-negative integer",
+        )
+        _require(
+            isinstance(self.bind, str) and self.bind.startswith(("tcp://", "ipc://")),
+            f"bind must be a tcp:// or ipc:// address, got {self.bind!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryConfig:
+    """Settings of a registry server.
+
+    Attributes:
+        address: where to bind; port 0 lets the OS choose.
+        max_message_bytes: largest message accepted from anyone (larger: dropped).
+    """
+
+    address: str = "tcp://127.0.0.1:0"
+    max_message_bytes: int = 1 * _MiB
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.address, str) and self.address.startswith(("tcp://", "ipc://")),
+            f"registry address must be tcp://host:port or ipc://path, got {self.address!r}",
+        )
+        _require(self.max_message_bytes >= 4096, "max_message_bytes must be >= 4096")
+
+
+_SIZE_SUFFIXES = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as `4096`, `4K`, `1M`, `64MiB` or `1G` (binary units)."""
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    digits = raw.rstrip("KMG")
+    suffix = raw[len(digits) :]
+    if not digits.isdigit() or suffix not in _SIZE_SUFFIXES:
+        raise ConfigError(f"cannot read size {text!r}: use a number with K, M or G (e.g. 64K)")
+    return int(digits) * _SIZE_SUFFIXES[suffix]
+
+
+def env_int(env: Mapping[str, str], name: str) -> int | None:
+    """Read an integer environment variable; absent or empty gives None."""
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def env_float(env: Mapping[str, str], name: str) -> float | None:
+    """Read a float environment variable; absent or empty gives None."""
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not a number") from None
+
+
+def environ() -> Mapping[str, str]:
+    """The process environment, read only by the edges (init and the CLI)."""
+    return os.environ

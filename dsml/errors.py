@@ -1,0 +1,111 @@
+"""Exception tree of dsml (leaf module, importable from every layer).
+
+Who is at fault shows in the type: a `ConfigError` is the caller's, a `ProtocolError` the
+sender's of a malformed message, a `CollectiveMismatchError` a disagreement between ranks, a
+`PeerLostError` a member that went away. Structured facts are attributes as well as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "CollectiveAbortedError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "DependencyFailedError",
+    "DsmlError",
+    "JoinTimeoutError",
+    "MembershipChangedError",
+    "PeerLostError",
+    "ProtocolError",
+    "RegistryUnavailableError",
+]
+
+
+class DsmlError(Exception):
+    """Base class of every error dsml raises on purpose."""
+
+
+class ConfigError(DsmlError, ValueError):
+    """An argument, setting or local input is invalid; nothing was sent."""
+
+
+class ProtocolError(DsmlError):
+    """A message was malformed, too large, of an unknown version or otherwise foreign."""
+
+
+class RegistryUnavailableError(DsmlError, ConnectionError):
+    """The registry did not answer in time, or refused the request."""
+
+    def __init__(self, message: str, *, address: str | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+
+
+class CollectiveError(DsmlError):
+    """A collective failed; `rank`, `epoch`, `cid` and `collective` say which and where."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        epoch: int | None = None,
+        cid: int | None = None,
+        collective: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.epoch = epoch
+        self.cid = cid
+        self.collective = collective
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks called different collectives, or the same one with different arguments.
+
+    `ranks` holds the two ranks whose calls disagree (when known).
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int] = (), **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.ranks = tuple(ranks)
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not finish in time; `missing` names the ranks that did not arrive."""
+
+    def __init__(self, message: str, *, missing: Sequence[int] = (), **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.missing = tuple(missing)
+
+
+class CollectiveAbortedError(CollectiveError):
+    """Another rank gave up this collective (it failed or was cancelled there)."""
+
+    def __init__(self, message: str, *, origin: int | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.origin = origin
+
+
+class MembershipChangedError(CollectiveError):
+    """The group changed (a new view) while the collective was in flight."""
+
+
+class PeerLostError(MembershipChangedError):
+    """A member died or became unreachable during the collective; `lost` names it."""
+
+    def __init__(self, message: str, *, lost: Sequence[int] = (), **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.lost = tuple(lost)
+
+
+class DependencyFailedError(DsmlError):
+    """An engine op did not run because an op it depends on failed (see `__cause__`)."""
+
+
+class JoinTimeoutError(DsmlError, TimeoutError):
+    """The group did not form in time: fewer members than `world_size` joined."""

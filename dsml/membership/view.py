@@ -1,0 +1,84 @@
+"""Members and views: who is in the group, in which ring order, at which epoch (membership).
+
+A `View` is immutable. Every change of membership makes a new view with a higher epoch;
+rank r is the member at position r of the ring. Messages carry the epoch of the view they
+were sent in, so receivers can drop what belongs to an older group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ProtocolError
+from ..wire import Fields
+
+__all__ = ["Member", "View"]
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One worker: a unique id, the address its endpoint serves on, and where it runs."""
+
+    id: str
+    address: str
+    name: str = ""
+    host: str = ""
+    pid: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "address": self.address,
+            "name": self.name,
+            "host": self.host,
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def from_wire(cls, fields: Fields) -> Member:
+        return cls(
+            id=fields.get_str("id", 64),
+            address=fields.get_str("address", 512),
+            name=fields.get_str("name", 256),
+            host=fields.get_str("host", 256),
+            pid=fields.get_int("pid", 0, 1 << 31),
+        )
+
+    def describe(self) -> str:
+        label = f"{self.name} " if self.name else ""
+        return f"{label}{self.host}:{self.pid} at {self.address}"
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The group at one epoch: members in ring order (rank = position)."""
+
+    epoch: int
+    members: tuple[Member, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member_id: str) -> int | None:
+        """Rank of a member id, or None when it is not in this view."""
+        for rank, member in enumerate(self.members):
+            if member.id == member_id:
+                return rank
+        return None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "members": [m.to_wire() for m in self.members]}
+
+    @classmethod
+    def from_wire(cls, fields: Fields) -> View:
+        members = tuple(Member.from_wire(f) for f in fields.map_list("members"))
+        if not members:
+            raise ProtocolError("a view needs at least one member")
+        if len({m.id for m in members}) != len(members):
+            raise ProtocolError("a view lists a member twice")
+        return cls(epoch=fields.get_int("epoch", 1), members=members)
+
+    def __repr__(self) -> str:
+        return f"View(epoch={self.epoch}, size={self.size})"

@@ -1,0 +1,22 @@
+"""Transport layer: the only code that imports zmq.
+
+One endpoint (bound ROUTER) per worker with a single reader task, DEALER channels to peers,
+per-key mailboxes, and receipts for buffers sent without copying.
+"""
+
+from .context import check_address, live_sockets
+from .mailbox import Mailbox
+from .sockets import Channel, Endpoint, Handler
+from .tracker import DONE, Sent, wait_sent
+
+__all__ = [
+    "DONE",
+    "Channel",
+    "Endpoint",
+    "Handler",
+    "Mailbox",
+    "Sent",
+    "check_address",
+    "live_sockets",
+    "wait_sent",
+]

@@ -1,0 +1,61 @@
+"""The process-wide ZeroMQ context and socket bookkeeping (transport layer).
+
+All dsml sockets of a process share one context with one I/O thread; the context lives as
+long as the process, so closing a communicator never blocks on `zmq_ctx_term`. Every socket
+we open is registered here until closed, so tests can prove nothing was left open.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..errors import ConfigError
+
+__all__ = ["check_address", "live_sockets", "new_socket"]
+
+_lock = threading.Lock()
+_context: zmq.asyncio.Context | None = None
+_live: weakref.WeakSet[zmq.asyncio.Socket] = weakref.WeakSet()
+
+
+def _shared_context() -> zmq.asyncio.Context:
+    global _context
+    with _lock:
+        if _context is None or _context.closed:
+            _context = zmq.asyncio.Context(io_threads=1)
+        return _context
+
+
+def new_socket(socket_type: int, **options: Any) -> zmq.asyncio.Socket:
+    """Open a socket of the shared context and apply options (name -> value)."""
+    sock = _shared_context().socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    _live.add(sock)
+    return sock
+
+
+def live_sockets() -> int:
+    """How many dsml sockets of this process are open (a test fixture checks it is 0)."""
+    return sum(1 for sock in list(_live) if not sock.closed)
+
+
+def check_address(address: object, what: str) -> str:
+    """Validate a `tcp://host:port` or `ipc://path` address, raising ConfigError."""
+    if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+        raise ConfigError(
+            f"{what} {address!r} is not an address: use tcp://host:port or ipc://path"
+        )
+    if address.startswith("tcp://"):
+        host, sep, port = address[len("tcp://") :].rpartition(":")
+        if not sep or not host or not (port.isdigit() or port == "*"):
+            raise ConfigError(
+                f"{what} {address!r} needs a host and a port, e.g. tcp://127.0.0.1:5555"
+            )
+    return address

@@ -1,0 +1,243 @@
+"""Endpoints (bound ROUTER) and channels (connected DEALER) (transport layer).
+
+An `Endpoint` is what a worker or the registry binds: a ROUTER socket with exactly one
+reader task that validates each incoming message and hands it to a handler together with
+the sender's routing identity. A `Channel` is a DEALER connected to someone else's
+endpoint; it sends, and (for request/reply with the registry) may have a reader of its own.
+
+Messages are `[envelope, payload...]`. Payload frames at least `copy_threshold` bytes long
+are sent without copying; the returned `Sent` says when the buffer may be written again.
+Received payloads are `memoryview`s over ZeroMQ's own frames, reduced from directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..errors import ConfigError, DsmlError, ProtocolError
+from ..wire import MAX_ENVELOPE_BYTES, Envelope, decode, encode
+from .context import check_address, new_socket
+from .tracker import DONE, Sent
+
+__all__ = ["Channel", "Endpoint", "Handler"]
+
+log = logging.getLogger("dsml.transport")
+
+#: handler(sender_identity, envelope, payload_frames); must not block.
+Handler = Callable[[bytes, Envelope, list[memoryview]], None]
+
+_MAX_PAYLOAD_FRAMES = 4096
+_HWM = 100_000
+
+
+class _Reader:
+    """The single task that reads one socket and dispatches what it reads."""
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        handler: Handler,
+        *,
+        routed: bool,
+        max_envelope_bytes: int,
+        name: str,
+    ) -> None:
+        self.dropped = 0
+        self.received = 0
+        self._sock = sock
+        self._handler = handler
+        self._routed = routed
+        self._max_envelope_bytes = max_envelope_bytes
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"dsml-{name}")
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            self.received += 1
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        sender = frames[0].bytes if self._routed else b""
+        parts = frames[1:] if self._routed else frames
+        try:
+            if not parts or len(parts) > _MAX_PAYLOAD_FRAMES + 1:
+                raise ProtocolError(f"message of {len(parts)} frames")
+            env = decode(parts[0].buffer, max_bytes=self._max_envelope_bytes)
+        except ProtocolError as exc:
+            self.dropped += 1
+            log.warning("dropped a malformed message from %r: %s", sender[:32], exc)
+            return
+        try:
+            self._handler(sender, env, [frame.buffer for frame in parts[1:]])
+        except ProtocolError as exc:
+            self.dropped += 1
+            log.warning("dropped a %s message from %r: %s", env.kind.name, sender[:32], exc)
+        except Exception:  # a handler bug must not kill the only reader of the socket
+            self.dropped += 1
+            log.exception("handler failed on a %s message; message dropped", env.kind.name)
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def _frames(env: Envelope, payload: Sequence[Any]) -> list[Any]:
+    return [encode(env), *payload]
+
+
+def _needs_tracking(payload: Sequence[Any], threshold: int) -> bool:
+    return any(memoryview(buf).nbytes >= threshold for buf in payload)
+
+
+class Endpoint:
+    """A bound ROUTER socket and its reader; `address` is the resolved bound address."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, address: str, reader: _Reader) -> None:
+        self._sock = sock
+        self._reader = reader
+        self.address = address
+
+    @classmethod
+    def bind(
+        cls,
+        address: str,
+        handler: Handler,
+        *,
+        max_frame_bytes: int,
+        max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
+        name: str = "endpoint",
+    ) -> Endpoint:
+        """Bind address (port 0: the OS chooses) and start the reader task."""
+        check_address(address, "bind address")
+        sock = new_socket(
+            zmq.ROUTER,
+            MAXMSGSIZE=max_frame_bytes,
+            RCVHWM=_HWM,
+            SNDHWM=_HWM,
+            ROUTER_MANDATORY=1,
+        )
+        try:
+            sock.bind(address[:-2] + ":*" if address.endswith(":0") else address)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ConfigError(f"cannot bind {address}: {exc}") from None
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        reader = _Reader(
+            sock, handler, routed=True, max_envelope_bytes=max_envelope_bytes, name=name
+        )
+        return cls(sock, bound, reader)
+
+    @property
+    def dropped(self) -> int:
+        """Malformed or rejected messages dropped so far."""
+        return self._reader.dropped
+
+    @property
+    def received(self) -> int:
+        return self._reader.received
+
+    async def send(self, identity: bytes, env: Envelope, payload: Sequence[Any] = ()) -> bool:
+        """Send to a connected peer by identity; False if it is not connected (dropped)."""
+        try:
+            await self._sock.send_multipart([identity, *_frames(env, payload)], copy=True)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise DsmlError(f"send on {self.address} failed: {exc}") from None
+        return True
+
+    async def aclose(self) -> None:
+        await self._reader.aclose()
+        self._sock.close(0)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Endpoint {self.address} received={self.received} dropped={self.dropped}"
+            f"{' closed' if self._sock.closed else ''}>"
+        )
+
+
+class Channel:
+    """A DEALER connected to one remote endpoint, identifying itself as `identity`."""
+
+    def __init__(
+        self, sock: zmq.asyncio.Socket, address: str, threshold: int, reader: _Reader | None
+    ) -> None:
+        self._sock = sock
+        self._threshold = threshold
+        self._reader = reader
+        self.address = address
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        identity: bytes,
+        *,
+        copy_threshold: int = 64 * 1024,
+        handler: Handler | None = None,
+        max_frame_bytes: int = 64 << 20,
+        linger_s: float = 1.0,
+    ) -> Channel:
+        """Connect to address; with a handler, also read what the endpoint sends back."""
+        check_address(address, "peer address")
+        sock = new_socket(
+            zmq.DEALER,
+            IDENTITY=identity,
+            MAXMSGSIZE=max_frame_bytes,
+            SNDHWM=_HWM,
+            RCVHWM=_HWM,
+            LINGER=int(linger_s * 1000),
+        )
+        sock.copy_threshold = copy_threshold
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ConfigError(f"cannot connect to {address}: {exc}") from None
+        reader = None
+        if handler is not None:
+            reader = _Reader(
+                sock, handler, routed=False, max_envelope_bytes=max_frame_bytes, name="channel"
+            )
+        return cls(sock, address, copy_threshold, reader)
+
+    async def send(self, env: Envelope, payload: Sequence[Any] = ()) -> Sent:
+        """Queue a message; payload frames >= the copy threshold are not copied.
+
+        Returns a receipt: do not modify those payload buffers until `receipt.done()`.
+        """
+        track = _needs_tracking(payload, self._threshold)
+        try:
+            tracker = await self._sock.send_multipart(
+                _frames(env, payload), copy=False, track=track
+            )
+        except zmq.ZMQError as exc:
+            raise DsmlError(f"send to {self.address} failed: {exc}") from None
+        return Sent(tracker) if track else DONE
+
+    @property
+    def dropped(self) -> int:
+        return self._reader.dropped if self._reader is not None else 0
+
+    async def aclose(self, *, linger_s: float | None = None) -> None:
+        """Close; queued messages still get `linger_s` seconds to leave."""
+        if self._reader is not None:
+            await self._reader.aclose()
+        linger = None if linger_s is None else int(linger_s * 1000)
+        self._sock.close(linger)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._sock.closed)
+
+    def __repr__(self) -> str:
+        return f"<Channel to {self.address}{' closed' if self.closed else ''}>"

@@ -1,0 +1,33 @@
+"""Message kinds of the dsml protocol (wire layer).
+
+One line per kind says what its sender means; docs/protocol.md has the full table.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Kind"]
+
+
+class Kind(enum.IntEnum):
+    """Every message kind; the number travels in the envelope."""
+
+    # -- membership: worker <-> registry ------------------------------------------------
+    JOIN_REQUEST = 1  # worker: "add me to the group" (id, address, world size, wanted rank)
+    JOIN_ACCEPTED = 2  # registry: "you are queued; k of n members have joined"
+    JOIN_REJECTED = 3  # registry: "you cannot join" (reason)
+    VIEW_CHANGED = 4  # registry: "this is the group now" (epoch, members in ring order)
+    LEAVE_REQUEST = 5  # worker: "I am leaving the group"
+    HEARTBEAT = 6  # worker: "I am alive" (reserved for failure detection)
+    STATUS_REQUEST = 7  # anyone: "describe the group"
+    STATUS_REPLY = 8  # registry: the description
+
+    # -- data plane: peer <-> peer --------------------------------------------------------
+    CHUNK = 20  # peer: "payload of step/chunk of collective #cid" (raw frames follow)
+    ABORT = 21  # peer: "collective #cid failed here; fail it too" (reason, ranks)
+    PROBE = 22  # peer: "I timed out in #cid: where are you?"
+    PROGRESS = 23  # peer: "my last started / finished collectives" (answer to PROBE)
+    GOODBYE = 24  # peer: "I closed my communicator after collective #cid"
+    PEER_MESSAGE = 25  # peer: "point-to-point payload for (tag, sequence)" (send/recv)
+    CONFIRM = 26  # peer: "I reached round `step` of the agreement of collective #cid"
