@@ -58,7 +58,7 @@ class ArrayBackend:
 
     def payload(self, a: Array, lo: int, hi: int) -> memoryview:
         """The bytes of a[lo:hi], without copying."""
-        return memoryview(a[lo:hi]).cast("B")
+        return memoryview(a[lo:hi].view(np.uint8))  # a byte view works for every dtype
 
     def view(self, data: memoryview, dtype: np.dtype[Any]) -> Array:
         """Received bytes as a flat array (no copy; writable when the frame is)."""

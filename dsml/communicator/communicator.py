@@ -348,6 +348,7 @@ class Communicator:
             raise
 
     async def _timed_out(self, call: Call) -> CollectiveTimeoutError:
+        call.running = False  # peers' probes and aborts must not cancel the diagnosis
         progress = await self._mesh.probe(call)
         message, missing = timeout_message(
             call.cid, call.fingerprint, self.rank, call.timeout, progress

@@ -81,8 +81,13 @@ def abort_body(reason: str, message: str, origin: int, ranks: Sequence[int] = ()
     return {"reason": reason, "message": message, "origin": origin, "ranks": list(ranks)}
 
 
-def error_from_abort(env: Envelope, mine: Fingerprint, me: int) -> CollectiveError:
-    """The exception this rank raises for an Abort received for its call `mine`."""
+def error_from_abort(
+    env: Envelope, mine: Fingerprint, me: int, *, late: bool = False
+) -> CollectiveError:
+    """The exception this rank raises for an Abort received for its call `mine`.
+
+    `late` means the abort arrived before this rank even made the call.
+    """
     fields = Fields(env.body, "Abort")
     reason = fields.get_str("reason", 32)
     message = fields.get_str("message", 8192)
@@ -98,6 +103,12 @@ def error_from_abort(env: Envelope, mine: Fingerprint, me: int) -> CollectiveErr
     if reason == "mismatch":
         return CollectiveMismatchError(message, ranks=ranks, **where)
     if reason == "timeout":
+        if late:
+            message = (
+                f"rank {me} arrived at collective #{env.cid} too late: rank {origin} had "
+                f"already timed out and given it up. Rank {origin} reported: {message}"
+            )
+            ranks = ranks or [me]
         return CollectiveTimeoutError(message, missing=ranks, **where)
     if theirs is not None and mine.conflicts(theirs):
         text = mismatch_message(env.cid, me, mine, origin, theirs)

@@ -155,13 +155,14 @@ class Mesh:
     # -- calls ------------------------------------------------------------------------------
 
     def register(self, call: Call) -> None:
+        """Make a new call known; an abort that arrived before it was made applies now."""
         self.calls[(call.epoch, call.cid)] = call
-
-    def check_start(self, call: Call) -> CollectiveError | None:
-        """Failures known before the call runs: an abort, a peer that left, early mismatch."""
         abort = self._aborts.pop(call.cid, None)
         if abort is not None:
-            return error_from_abort(abort, call.fingerprint, self.rank)
+            call.fail(error_from_abort(abort, call.fingerprint, self.rank, late=True))
+
+    def check_start(self, call: Call) -> CollectiveError | None:
+        """Failures known before the call runs: a peer that left, an early mismatch."""
         for peer, last in self.closed_after.items():
             if last < call.cid:
                 return self._goodbye_error(call, peer, last)
@@ -260,9 +261,27 @@ class Mesh:
             self.counters["late"] += 1
 
     def handle_probe(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
+        """Answer where this rank is, and give the call up: the prober is about to abort it.
+
+        Failing here, not only on the prober's abort, means a rank that arrives late cannot
+        finish from data its peers had already sent while they report a timeout.
+        """
         body = {"started": self.next_cid - 1}
         reply = Envelope(Kind.PROGRESS, self.epoch, self.rank, env.cid, body=body)
         self.broadcast_control(reply, [rank])
+        message = (
+            f"rank {rank} timed out in collective #{env.cid} and gave it up "
+            "(its own error says which ranks it was waiting for)"
+        )
+        given_up = Envelope(
+            Kind.ABORT,
+            env.epoch,
+            rank,
+            env.cid,
+            fingerprint=env.fingerprint,
+            body=abort_body("timeout", message, rank),
+        )
+        self.handle_abort(rank, given_up, [])
 
     def handle_progress(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         Fields(env.body, "Progress").get_int("started")
@@ -297,7 +316,8 @@ class Mesh:
     async def probe(self, call: Call) -> dict[int, int | None]:
         """Ask every peer for its last started collective (None: no answer in time)."""
         peers = [p for p in range(self.size) if p != self.rank]
-        self.broadcast_control(Envelope(Kind.PROBE, call.epoch, self.rank, call.cid))
+        probe = Envelope(Kind.PROBE, call.epoch, self.rank, call.cid, fingerprint=call.fingerprint)
+        self.broadcast_control(probe)
         progress: dict[int, int | None] = dict.fromkeys(peers)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.probe_timeout):

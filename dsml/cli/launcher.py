@@ -1,0 +1,189 @@
+"""Starting N rank processes and supervising them (cli layer).
+
+Each rank is a child process in its own session, so a terminal's Ctrl-C reaches the
+launcher only and is forwarded exactly once; a second Ctrl-C kills. Every line a child
+prints is passed on with its rank in front. When a rank fails, the others are stopped
+(SIGTERM, then SIGKILL after a grace period) and a short root-cause block names the rank,
+how it ended and the last lines of its error output. On Linux the children also get
+SIGKILL if the launcher itself dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+__all__ = ["Failure", "Launch", "rank_environment"]
+
+#: on_line(rank, stream name, line) replaces the default printing when given.
+LineSink = Callable[[int, str, str], None]
+
+_TAIL_LINES = 20
+
+
+def rank_environment(
+    base: Mapping[str, str], rank: int, world_size: int, registry: str
+) -> dict[str, str]:
+    """The environment of one rank: DSML_* for dsml.init, and what torchrun users expect."""
+    env = dict(base)
+    env.update(
+        DSML_REGISTRY=registry,
+        DSML_WORLD_SIZE=str(world_size),
+        DSML_RANK=str(rank),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; the user may override
+    return env
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class Failure:
+    rank: int
+    code: int
+    tail: list[str] = field(default_factory=list)
+
+    def report(self) -> str:
+        lines = [
+            f"dsml run: rank {self.rank} failed first ({describe_exit(self.code)}); "
+            "the other ranks were stopped."
+        ]
+        if self.tail:
+            lines.append(f"---- last lines rank {self.rank} wrote to stderr ----")
+            lines += [f"  {line}" for line in self.tail]
+            lines.append("----")
+        return "\n".join(lines)
+
+
+class Launch:
+    """One supervised run of `world_size` copies of `argv` (see module docstring)."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        world_size: int,
+        registry: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        on_line: LineSink | None = None,
+        grace_s: float = 5.0,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.world_size = world_size
+        self.registry = registry
+        self.failure: Failure | None = None
+        self.interrupted = 0
+        self._env = dict(os.environ if env is None else env)
+        self._on_line = on_line
+        self._grace_s = grace_s
+        self._stdout = stdout or sys.stdout
+        self._stderr = stderr or sys.stderr
+        self._procs: list[asyncio.subprocess.Process] = []
+        self._tails = [collections.deque[str](maxlen=_TAIL_LINES) for _ in range(world_size)]
+
+    async def run(self) -> int:
+        """Start every rank, wait for all to end; returns the exit code for the launcher."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            for rank in range(self.world_size):
+                self._procs.append(await self._spawn(rank))
+            await asyncio.gather(*(self._supervise(r, p) for r, p in enumerate(self._procs)))
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            self._kill_all(signal.SIGKILL)
+        return self._exit_code()
+
+    async def _spawn(self, rank: int) -> asyncio.subprocess.Process:
+        env = rank_environment(self._env, rank, self.world_size, self.registry)
+        return await asyncio.create_subprocess_exec(
+            *self.argv,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+
+    async def _supervise(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        await asyncio.gather(
+            self._pump(rank, "stdout", proc.stdout), self._pump(rank, "stderr", proc.stderr)
+        )
+        code = await proc.wait()
+        if code != 0 and self.failure is None and not self.interrupted:
+            self.failure = Failure(rank, code, list(self._tails[rank]))
+            await self._stop_others()
+
+    async def _pump(self, rank: int, name: str, stream: asyncio.StreamReader) -> None:
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip("\n")
+            if name == "stderr":
+                self._tails[rank].append(text)
+            if self._on_line is not None:
+                self._on_line(rank, name, text)
+            else:
+                out = self._stdout if name == "stdout" else self._stderr
+                out.write(f"[rank {rank}] {text}\n")
+                out.flush()
+
+    async def _stop_others(self) -> None:
+        self._kill_all(signal.SIGTERM)
+        running = [p.wait() for p in self._procs if p.returncode is None]
+        if running:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(w) for w in running], timeout=self._grace_s
+            )
+            if pending:
+                self._kill_all(signal.SIGKILL)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.interrupted += 1
+        self._kill_all(sig if self.interrupted == 1 else signal.SIGKILL)
+
+    def _kill_all(self, sig: signal.Signals) -> None:
+        for proc in self._procs:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+
+    def _exit_code(self) -> int:
+        if self.failure is not None:
+            code = self.failure.code
+            return code if code > 0 else 128 - code
+        if self.interrupted:
+            return 130
+        codes = [p.returncode or 0 for p in self._procs]
+        return next((c if c > 0 else 128 - c for c in codes if c), 0)
