@@ -40,5 +40,9 @@ class Opener(Generic[R]):
         tb: TracebackType | None,
     ) -> None:
         resource, self._resource = self._resource, None
-        if resource is not None:
+        if resource is None:
+            return
+        if hasattr(resource, "__aexit__"):  # it wants to know how the block ended
+            await resource.__aexit__(exc_type, exc, tb)
+        else:
             await resource.aclose()

@@ -44,16 +44,19 @@ class CommConfig:
         max_frame_bytes: largest payload frame accepted from a peer (larger: dropped).
         zero_copy_min_bytes: frames at least this large are sent without copying.
         bind: address the worker's endpoint binds; port 0 lets the OS choose.
+        tune_malloc: raise glibc's malloc thresholds so ZeroMQ's receive buffers are
+            reused instead of page-faulted anew (see dsml/transport/malloc.py).
     """
 
     timeout: float = 120.0
     join_timeout: float = 120.0
     registry_timeout: float = 10.0
     probe_timeout: float = 0.5
-    chunk_bytes: int = 1 * _MiB
+    chunk_bytes: int = 4 * _MiB
     max_frame_bytes: int = 64 * _MiB
     zero_copy_min_bytes: int = 64 * 1024
     bind: str = "tcp://127.0.0.1:0"
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout", "join_timeout", "registry_timeout", "probe_timeout"):

@@ -100,14 +100,17 @@ def _main(args: argparse.Namespace) -> int:
 def header(world_size: int, op: str, dtype: str) -> str:
     return (
         f"# dsml bench: world_size={world_size} op={op} dtype={dtype}\n"
-        f"# {'bytes':>12} {'algorithm':>10} {'time(us)':>12} {'algbw(GB/s)':>12} "
+        f"# {'bytes':>12} {'algorithm':>12} {'time(us)':>12} {'algbw(GB/s)':>12} "
         f"{'busbw(GB/s)':>12}"
     )
 
 
 def format_row(row: dict[str, Any]) -> str:
+    name = row["algorithm"]
+    if name == "auto" and row.get("resolved"):
+        name = f"auto({row['resolved']})"
     return (
-        f"  {row['bytes']:>12} {row['algorithm']:>10} {row['median_s'] * 1e6:>12.1f} "
+        f"  {row['bytes']:>12} {name:>12} {row['median_s'] * 1e6:>12.1f} "
         f"{row['algbw_GBps']:>12.3f} {row['busbw_GBps']:>12.3f}"
     )
 

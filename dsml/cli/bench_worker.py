@@ -17,7 +17,7 @@ import numpy as np
 
 import dsml
 from dsml.cli.bench import ROW_PREFIX
-from dsml.collectives import DTYPES
+from dsml.collectives import DTYPES, choose_all_reduce
 
 
 def iterations(nbytes: int) -> int:
@@ -49,10 +49,12 @@ async def measure(
 
 def row(nbytes: int, size: int, algorithm: str, op: str, median_s: float) -> dict[str, Any]:
     algbw = nbytes / median_s / 1e9
+    resolved = choose_all_reduce(nbytes, size) if algorithm == "auto" else algorithm
     return {
         "bytes": nbytes,
         "world_size": size,
         "algorithm": algorithm,
+        "resolved": resolved,
         "op": op,
         "median_s": median_s,
         "algbw_GBps": algbw,

@@ -27,6 +27,7 @@ __all__ = ["Failure", "Launch", "rank_environment"]
 LineSink = Callable[[int, str, str], None]
 
 _TAIL_LINES = 20
+_CONSEQUENCE_GRACE_S = 2.0  # how long a rank that caused others' failure has to exit
 
 
 def rank_environment(
@@ -44,7 +45,8 @@ def rank_environment(
         LOCAL_WORLD_SIZE=str(world_size),
         PYTHONUNBUFFERED="1",
     )
-    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; the user may override
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = "1"  # ranks share the cores; a user's own value stays
     return env
 
 
@@ -63,11 +65,21 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+#: Errors a rank raises because another rank failed: not the root cause of a crash.
+_CONSEQUENCES = ("CollectiveAbortedError", "PeerLostError", "MembershipChangedError")
+
+
 @dataclass
 class Failure:
     rank: int
     code: int
     tail: list[str] = field(default_factory=list)
+
+    @property
+    def consequence(self) -> bool:
+        """True when this rank only failed because another one did (as its error says)."""
+        last = self.tail[-1] if self.tail else ""
+        return last.startswith(tuple(f"dsml.errors.{name}" for name in _CONSEQUENCES))
 
     def report(self) -> str:
         lines = [
@@ -99,7 +111,7 @@ class Launch:
         self.argv = list(argv)
         self.world_size = world_size
         self.registry = registry
-        self.failure: Failure | None = None
+        self.failures: list[Failure] = []
         self.interrupted = 0
         self._env = dict(os.environ if env is None else env)
         self._on_line = on_line
@@ -143,9 +155,19 @@ class Launch:
             self._pump(rank, "stdout", proc.stdout), self._pump(rank, "stderr", proc.stderr)
         )
         code = await proc.wait()
-        if code != 0 and self.failure is None and not self.interrupted:
-            self.failure = Failure(rank, code, list(self._tails[rank]))
-            await self._stop_others()
+        if code != 0 and not self.interrupted and not (self.failures and code == -signal.SIGTERM):
+            failure = Failure(rank, code, list(self._tails[rank]))
+            self.failures.append(failure)
+            if len(self.failures) == 1:
+                if failure.consequence:  # the rank that caused it is probably exiting too
+                    await self._wait_others(_CONSEQUENCE_GRACE_S)
+                await self._stop_others()
+
+    @property
+    def failure(self) -> Failure | None:
+        """The root cause: the first rank to fail on its own, else the first to fail."""
+        causes = [f for f in self.failures if not f.consequence] or self.failures
+        return causes[0] if causes else None
 
     async def _pump(self, rank: int, name: str, stream: asyncio.StreamReader) -> None:
         while line := await stream.readline():
@@ -159,15 +181,20 @@ class Launch:
                 out.write(f"[rank {rank}] {text}\n")
                 out.flush()
 
+    async def _wait_others(self, within_s: float) -> bool:
+        """Wait until every rank has exited, at most within_s; True if all exited."""
+        running = [asyncio.ensure_future(p.wait()) for p in self._procs if p.returncode is None]
+        if not running:
+            return True
+        _, pending = await asyncio.wait(running, timeout=within_s)
+        for waiter in pending:
+            waiter.cancel()
+        return not pending
+
     async def _stop_others(self) -> None:
         self._kill_all(signal.SIGTERM)
-        running = [p.wait() for p in self._procs if p.returncode is None]
-        if running:
-            _, pending = await asyncio.wait(
-                [asyncio.ensure_future(w) for w in running], timeout=self._grace_s
-            )
-            if pending:
-                self._kill_all(signal.SIGKILL)
+        if not await self._wait_others(self._grace_s):
+            self._kill_all(signal.SIGKILL)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.interrupted += 1

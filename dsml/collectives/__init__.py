@@ -6,6 +6,7 @@ nothing about sockets, epochs or registries.
 """
 
 from .all_gather import all_gather_direct
+from .all_reduce_direct import all_reduce_direct
 from .all_reduce_naive import all_reduce_naive
 from .all_reduce_ring import all_reduce_ring
 from .all_reduce_tree import all_reduce_tree
@@ -25,6 +26,7 @@ ALL_REDUCE = {
     "ring": all_reduce_ring,
     "tree": all_reduce_tree,
     "naive": all_reduce_naive,
+    "direct": all_reduce_direct,
 }
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "Received",
     "ReduceOp",
     "all_gather_direct",
+    "all_reduce_direct",
     "all_reduce_naive",
     "all_reduce_ring",
     "all_reduce_tree",

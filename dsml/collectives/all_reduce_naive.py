@@ -4,9 +4,10 @@ The baseline that the ring is measured against. Cost: 2 steps, but rank 0 receiv
 sends (P-1) whole arrays, so time grows linearly with P for large arrays.
 
 Rank 0 reduces in rank order (((x0 op x1) op x2) ...) and everyone receives the same
-bytes, so results are bitwise identical everywhere.
+bytes, so results are bitwise identical everywhere. `dst` is written only at the end.
 
-Preconditions: `src` and `out` flat, distinct, same length and dtype; `src` unchanged.
+Preconditions: `src`, `work` and `dst` flat, same length and dtype; `src` is only read and
+may be the same memory as `dst`; `work` is scratch.
 """
 
 from __future__ import annotations
@@ -20,30 +21,37 @@ __all__ = ["all_reduce_naive"]
 
 
 async def all_reduce_naive(
-    group: Group, be: ArrayBackend, src: Array, out: Array, op: ReduceOp
-) -> None:
-    """out = reduction over all ranks of src (see module docstring)."""
+    group: Group, be: ArrayBackend, src: Array, work: Array, dst: Array, op: ReduceOp
+) -> list[Receipt]:
+    """dst = reduction over all ranks of src; returns receipts still pending on work."""
     size = group.size
-    itemsize = out.dtype.itemsize
-    chunks = chunk_spans((0, len(out)), chunk_elems(group, itemsize))
-    receipts: list[Receipt] = []
+    itemsize = work.dtype.itemsize
+    chunks = chunk_spans((0, len(work)), chunk_elems(group, itemsize))
     if group.rank != 0:
-        for c, (lo, hi) in enumerate(chunks):
-            receipts.append(await group.send(0, 0, c, be.payload(src, lo, hi)))
-        for c, (lo, hi) in enumerate(chunks):
-            msg = await group.recv(0, 1, c, nbytes=(hi - lo) * itemsize)
-            be.write(out, lo, hi, msg.payload)
-        await wait_receipts(receipts)
-        return
+        receipts = [
+            await group.send(0, 0, c, be.payload(src, lo, hi)) for c, (lo, hi) in enumerate(chunks)
+        ]
+        results = [
+            (await group.recv(0, 1, c, nbytes=(hi - lo) * itemsize)).payload
+            for c, (lo, hi) in enumerate(chunks)
+        ]
+        await wait_receipts(receipts)  # src may be dst
+        for (lo, hi), payload in zip(chunks, results, strict=True):
+            be.write(dst, lo, hi, payload)
+        return []
 
-    be.copy(out, 0, len(out), src)
+    be.copy(work, 0, len(work), src)
     for peer in range(1, size):
         for c, (lo, hi) in enumerate(chunks):
             msg = await group.recv(peer, 0, c, nbytes=(hi - lo) * itemsize)
-            be.reduce(op, out, lo, hi, out, msg.payload, data_first=False)
+            be.reduce(op, work, lo, hi, work, msg.payload, data_first=False)
     if op is ReduceOp.AVG:
-        be.scale(out, 0, len(out), size)
-    for peer in range(1, size):
-        for c, (lo, hi) in enumerate(chunks):
-            receipts.append(await group.send(peer, 1, c, be.payload(out, lo, hi)))
-    await wait_receipts(receipts)
+        be.scale(work, 0, len(work), size)
+    pending = [
+        await group.send(peer, 1, c, be.payload(work, lo, hi))
+        for peer in range(1, size)
+        for c, (lo, hi) in enumerate(chunks)
+    ]
+    if dst is not work:
+        be.copy(dst, 0, len(work), work)
+    return pending

@@ -2,12 +2,18 @@
 
 Cost: 2(P-1) steps; each rank sends and receives 2(P-1)/P of the array (bandwidth-optimal)
 and reduces (P-1)/P of it. Segments are cut into chunks that stream: a chunk of the rank's
-own segment leaves for the all-gather the moment its reduction is final.
+own segment leaves for the all-gather the moment its reduction is final, and all-gather
+chunks are passed on as the frames they arrived in, without a copy.
 
 Every segment is reduced exactly once, by one rank, in ring order, and then copied around,
 so every rank ends with bitwise-identical results.
 
-Preconditions: `src` and `out` flat, distinct, same length and dtype; `src` unchanged.
+Nothing is written to `dst` until every message has arrived: the received all-gather
+frames are kept and copied into `dst` at the end, together with the rank's own segment.
+So a failure leaves `dst` (the caller's array) untouched, and no extra full copy is made.
+
+Preconditions: `src`, `work` and `dst` flat, same length and dtype; `src` is only read and
+may be the same memory as `dst`; `work` is scratch.
 """
 
 from __future__ import annotations
@@ -22,35 +28,43 @@ __all__ = ["all_reduce_ring"]
 
 
 async def all_reduce_ring(
-    group: Group, be: ArrayBackend, src: Array, out: Array, op: ReduceOp
-) -> None:
-    """out = reduction over all ranks of src (see module docstring)."""
+    group: Group, be: ArrayBackend, src: Array, work: Array, dst: Array, op: ReduceOp
+) -> list[Receipt]:
+    """dst = reduction over all ranks of src; returns receipts still pending on work."""
     size, rank = group.size, group.rank
     right, left = (rank + 1) % size, (rank - 1) % size
-    itemsize = out.dtype.itemsize
-    spans = split_spans(len(out), size)
+    itemsize = work.dtype.itemsize
+    spans = split_spans(len(work), size)
     chunks = [chunk_spans(span, chunk_elems(group, itemsize)) for span in spans]
     gather_step = size - 1  # all-gather steps are numbered after the P-1 reduce steps
-    forwarded: list[Receipt] = []
+    pending: list[Receipt] = []
 
     async def on_final(c: int, lo: int, hi: int) -> None:
         if op is ReduceOp.AVG:
-            be.scale(out, lo, hi, size)
-        forwarded.append(await group.send(right, gather_step, c, be.payload(out, lo, hi)))
+            be.scale(work, lo, hi, size)
+        pending.append(await group.send(right, gather_step, c, be.payload(work, lo, hi)))
 
     # Phase 1: reduce-scatter; rank r ends owning segment r, already streaming onwards.
-    sent = await reduce_scatter_ring(group, be, src, out, op, spans, on_final)
+    sent = await reduce_scatter_ring(group, be, src, work, op, spans, on_final)
+    pending += [r for seg, receipts in sent.items() if seg >= 0 for r in receipts]
 
-    # Phase 2: all-gather; at step k receive segment r-k-1 and pass it on (but the last).
+    # Phase 2: all-gather; at step k segment r-k-1 arrives; pass it on (but the last).
+    arrived: list[tuple[int, int, memoryview]] = []
     for k in range(size - 1):
         seg = (rank - k - 1) % size
-        await wait_receipts(sent.pop(seg, ()))  # out[seg] may still be on its way out
         for c, (lo, hi) in enumerate(chunks[seg]):
             msg = await group.recv(left, gather_step + k, c, nbytes=(hi - lo) * itemsize)
-            be.write(out, lo, hi, msg.payload)
+            arrived.append((lo, hi, msg.payload))
             if k < size - 2:
-                forwarded.append(await group.send(right, gather_step + k + 1, c, msg.payload))
+                await group.send(right, gather_step + k + 1, c, msg.payload)
 
-    for receipts in sent.values():
-        await wait_receipts(receipts)
-    await wait_receipts(forwarded)
+    # Every message is in: only now write the result.
+    await wait_receipts(sent[-1])  # src may be dst
+    if dst is not work:
+        lo, hi = spans[rank]
+        be.copy(dst, lo, hi, work)
+    else:
+        await wait_receipts(pending)  # work's partial sums may still be leaving
+    for lo, hi, payload in arrived:
+        be.write(dst, lo, hi, payload)
+    return pending

@@ -11,14 +11,17 @@ the odd ranks hand the result back to their even partners.
 Both partners of a step compute op(lower ranks' partial, higher ranks' partial), in that
 order, so every rank ends with bitwise-identical results.
 
-Preconditions: `src` and `out` flat, distinct, same length and dtype; `src` unchanged.
+The result is computed in `work` and copied to `dst` only at the end.
+
+Preconditions: `src`, `work` and `dst` flat, same length and dtype; `src` is only read and
+may be the same memory as `dst`; `work` is scratch.
 """
 
 from __future__ import annotations
 
 from .arrays import Array, ArrayBackend
 from .chunking import Span, chunk_spans
-from .group import Group, chunk_elems, wait_receipts
+from .group import Group, Receipt, chunk_elems, wait_receipts
 from .ops import ReduceOp
 
 __all__ = ["all_reduce_tree"]
@@ -75,9 +78,18 @@ async def _recv_all(
 
 
 async def all_reduce_tree(
+    group: Group, be: ArrayBackend, src: Array, work: Array, dst: Array, op: ReduceOp
+) -> list[Receipt]:
+    """dst = reduction over all ranks of src; returns receipts still pending on work."""
+    await _recursive_doubling(group, be, src, work, op)
+    if dst is not work:
+        be.copy(dst, 0, len(work), work)
+    return []
+
+
+async def _recursive_doubling(
     group: Group, be: ArrayBackend, src: Array, out: Array, op: ReduceOp
 ) -> None:
-    """out = reduction over all ranks of src (see module docstring)."""
     size, rank = group.size, group.rank
     chunks = chunk_spans((0, len(out)), chunk_elems(group, out.dtype.itemsize))
     be.copy(out, 0, len(out), src)

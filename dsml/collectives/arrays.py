@@ -124,38 +124,39 @@ class BufferPool:
     """Reusable flat work buffers, so large collectives do not page-fault fresh memory.
 
     Writing a freshly allocated 64 MiB buffer costs several times more than reusing one
-    (first-touch page faults), so buffers go back to the pool after a successful call.
-    Buffers of a failed call are not returned: ZeroMQ may still hold them.
+    (first-touch page faults), so buffers go back to the pool after a successful call,
+    with the receipts of sends still reading them: a buffer is handed out again only once
+    ZeroMQ is done with it. Buffers of a failed call are not returned.
     """
 
     def __init__(self, backend: ArrayBackend, *, max_cached_bytes: int = 512 << 20) -> None:
         self._backend = backend
-        self._free: list[Array] = []
+        self._free: list[tuple[Array, list[Any]]] = []
         self._max_cached_bytes = max_cached_bytes
 
     def acquire(self, count: int, dtype: np.dtype[Any]) -> Array:
         """A flat buffer of count elements (contents undefined)."""
         nbytes = count * dtype.itemsize
-        for index, raw in enumerate(self._free):
-            if nbytes <= raw.nbytes <= 2 * nbytes + 4096:
+        for index, (raw, receipts) in enumerate(self._free):
+            if nbytes <= raw.nbytes <= 2 * nbytes + 4096 and all(r.done() for r in receipts):
                 del self._free[index]
                 return raw[:nbytes].view(dtype)
         return self._backend.empty(max(nbytes, 1), np.dtype(np.uint8))[:nbytes].view(dtype)
 
-    def release(self, buf: Array) -> None:
-        """Give a buffer from `acquire` back (only once ZeroMQ is done with it)."""
-        raw = buf.base if buf.base is not None else buf
+    def release(self, buf: Array, receipts: list[Any] | None = None) -> None:
+        """Give back a buffer from `acquire`; `receipts` are sends still reading it."""
+        raw = buf
         while raw.base is not None:
             raw = raw.base
         if raw.nbytes < 64 * 1024:
             return  # small buffers are cheap to allocate
-        self._free.append(raw)
-        while sum(b.nbytes for b in self._free) > self._max_cached_bytes:
+        self._free.append((raw, [r for r in receipts or () if not r.done()]))
+        while sum(b.nbytes for b, _ in self._free) > self._max_cached_bytes:
             self._free.pop(0)
 
     @property
     def cached_bytes(self) -> int:
-        return sum(b.nbytes for b in self._free)
+        return sum(b.nbytes for b, _ in self._free)
 
     def __repr__(self) -> str:
         return (

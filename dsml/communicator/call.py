@@ -86,7 +86,7 @@ class Call:
         nbytes: int | None = None,
         lane: Lane = Lane.DATA,
     ) -> Received:
-        env, frames = await self.mesh.mailbox.get(self.mesh.key(self.epoch, self.cid, peer, lane))
+        env, frames = await self.mesh.mailbox.get((self.epoch, self.cid), (peer, lane))
         if env.step != step or env.chunk != chunk:
             raise ProtocolError(
                 f"collective #{self.cid}: rank {peer} sent step {env.step} chunk {env.chunk} "

@@ -379,8 +379,12 @@ class Communicator:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def aclose(self) -> None:
-        """Cancel calls in flight, say goodbye to the peers, leave the group, close sockets."""
+    async def aclose(self, *, error: BaseException | None = None) -> None:
+        """Cancel calls in flight, say goodbye to the peers, leave the group, close sockets.
+
+        `error` (set when `async with` exits by an exception) tells the peers why this rank
+        left, so their pending and later calls fail naming it instead of waiting.
+        """
         if self._closed:
             return
         calls = [c.task for c in self._mesh.calls.values() if c.task is not None]
@@ -389,7 +393,8 @@ class Communicator:
         if calls:
             await asyncio.wait(calls, timeout=2.0)
         self._closed = True
-        await self._mesh.aclose()
+        reason = f"{type(error).__name__}: {error}" if error is not None else None
+        await self._mesh.aclose(reason)
         try:
             await self._registry.leave()
         finally:
@@ -404,7 +409,7 @@ class Communicator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        await self.aclose(error=exc if isinstance(exc, Exception) else None)
 
     def __repr__(self) -> str:
         if self._mesh.view is None:

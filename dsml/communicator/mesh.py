@@ -14,14 +14,14 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from ..collectives.group import Lane
 from ..config import CommConfig
 from ..errors import CollectiveAbortedError, CollectiveError, CollectiveMismatchError, ProtocolError
 from ..membership import View
-from ..transport import Channel, Endpoint, Mailbox, Sent
+from ..transport import Channel, Endpoint, Mailbox, Sent, tune_malloc
 from ..wire import Envelope, Fields, Kind
 from .call import Call
 from .diagnose import abort_body, error_from_abort, goodbye_message, mismatch_message
@@ -51,6 +51,7 @@ class Mesh:
         self.next_cid = 1
         self.counters: Counter[str] = Counter()
         self.closed_after: dict[int, int] = {}
+        self.left_with_error: dict[int, str] = {}
         self._endpoint: Endpoint | None = None
         self._channels: dict[int, Channel] = {}
         self._ranks: dict[bytes, int] = {}
@@ -71,6 +72,8 @@ class Mesh:
 
     def bind(self) -> str:
         """Bind the endpoint; returns the address peers will connect to."""
+        if self.config.tune_malloc:
+            tune_malloc()
         self._endpoint = Endpoint.bind(
             self.config.bind,
             self._dispatch,
@@ -110,10 +113,6 @@ class Mesh:
     def dropped(self) -> int:
         """Malformed messages dropped by the endpoint."""
         return self._endpoint.dropped if self._endpoint is not None else 0
-
-    @staticmethod
-    def key(epoch: int, cid: int, peer: int, lane: Lane) -> Hashable:
-        return (epoch, cid, peer, lane)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -166,22 +165,16 @@ class Mesh:
         for peer, last in self.closed_after.items():
             if last < call.cid:
                 return self._goodbye_error(call, peer, last)
-        for peer in range(self.size):
-            for lane in Lane:
-                for env, _ in self.mailbox.peek(self.key(call.epoch, call.cid, peer, lane))[:1]:
-                    error = self._mismatch(call, peer, env)
-                    if error is not None:
-                        return error
+        for (peer, _lane), (env, _) in self.mailbox.first_items((call.epoch, call.cid)):
+            error = self._mismatch(call, peer, env)
+            if error is not None:
+                return error
         return None
 
     def finish(self, call: Call) -> None:
         """Forget a call: later messages for it are dropped as late."""
         self.calls.pop((call.epoch, call.cid), None)
-        for peer in range(self.size):
-            for lane in Lane:
-                self.counters["late"] += self.mailbox.discard(
-                    self.key(call.epoch, call.cid, peer, lane)
-                )
+        self.counters["late"] += self.mailbox.discard((call.epoch, call.cid))
 
     def _mismatch(self, call: Call, peer: int, env: Envelope) -> CollectiveMismatchError | None:
         theirs = env.fingerprint
@@ -200,7 +193,18 @@ class Mesh:
             collective=call.fingerprint.collective,
         )
 
-    def _goodbye_error(self, call: Call, peer: int, last: int) -> CollectiveMismatchError:
+    def _goodbye_error(self, call: Call, peer: int, last: int) -> CollectiveError:
+        error = self.left_with_error.get(peer)
+        if error is not None:
+            return CollectiveAbortedError(
+                f"rank {peer} left the group after an error, before collective #{call.cid} "
+                f"{call.fingerprint.describe()}: {error}",
+                origin=peer,
+                rank=self.rank,
+                epoch=call.epoch,
+                cid=call.cid,
+                collective=call.fingerprint.collective,
+            )
         return CollectiveMismatchError(
             goodbye_message(call.cid, call.fingerprint, self.rank, peer, last),
             ranks=(self.rank, peer),
@@ -248,7 +252,7 @@ class Mesh:
             if error is not None:
                 call.fail(error)
                 return
-        self.mailbox.put(self.key(env.epoch, env.cid, rank, _LANES[env.kind]), (env, payload))
+        self.mailbox.put((env.epoch, env.cid), (rank, _LANES[env.kind]), (env, payload))
 
     def handle_abort(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         call = self._open_call(env)
@@ -285,11 +289,15 @@ class Mesh:
 
     def handle_progress(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         Fields(env.body, "Progress").get_int("started")
-        self.mailbox.put(("progress", env.epoch, env.cid, rank), (env, payload))
+        self.mailbox.put(("progress", env.epoch, env.cid), rank, (env, payload))
 
     def handle_goodbye(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
-        last = Fields(env.body, "Goodbye").get_int("last")
+        fields = Fields(env.body, "Goodbye")
+        last = fields.get_int("last")
+        error = fields.get_str("error", 2048, optional=True)
         self.closed_after[rank] = last
+        if error is not None:
+            self.left_with_error[rank] = error
         for call in list(self.calls.values()):
             if call.cid > last:
                 call.fail(self._goodbye_error(call, rank, last))
@@ -309,7 +317,7 @@ class Mesh:
     def handle_peer_message(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         if env.fingerprint is None:
             raise ProtocolError("a point-to-point message needs a fingerprint")
-        self.mailbox.put(("p2p", env.epoch, rank, env.step), (env, payload))
+        self.mailbox.put(("p2p", env.epoch), (rank, env.step), (env, payload))
 
     # -- diagnosis --------------------------------------------------------------------------
 
@@ -322,18 +330,20 @@ class Mesh:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.probe_timeout):
                 for peer in peers:
-                    env, _ = await self.mailbox.get(("progress", call.epoch, call.cid, peer))
+                    env, _ = await self.mailbox.get(("progress", call.epoch, call.cid), peer)
                     progress[peer] = Fields(env.body, "Progress").get_int("started")
-        for peer in peers:
-            self.mailbox.discard(("progress", call.epoch, call.cid, peer))
+        self.mailbox.discard(("progress", call.epoch, call.cid))
         return progress
 
     # -- shutdown ---------------------------------------------------------------------------
 
-    async def aclose(self) -> None:
-        """Say goodbye to the peers, flush background sends, close every socket."""
+    async def aclose(self, error: str | None = None) -> None:
+        """Say goodbye to the peers (with the error that ends this rank, if any), flush
+        background sends, close every socket."""
         if self.view is not None:
-            body = {"last": self.next_cid - 1}
+            body: dict[str, Any] = {"last": self.next_cid - 1}
+            if error is not None:
+                body["error"] = error[:2048]
             self.broadcast_control(Envelope(Kind.GOODBYE, self.epoch, self.rank, body=body))
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)

@@ -79,7 +79,7 @@ class PointToPoint:
 
     async def receive(self, src: int, tag: int, seq: int) -> Array:
         """Take the next message from (src, tag) and turn it into a new array."""
-        env, frames = await self._mesh.mailbox.get(("p2p", self._mesh.epoch, src, tag))
+        env, frames = await self._mesh.mailbox.get(("p2p", self._mesh.epoch), (src, tag))
         fp = env.fingerprint
         if env.cid != seq:
             raise ProtocolError(f"message #{env.cid} from rank {src} (tag {tag}) arrived as #{seq}")

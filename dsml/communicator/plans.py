@@ -126,10 +126,13 @@ class Planner:
             if call.size == 1:
                 return x
             src, copy = self._flat_input(be, x)
-            out = self.pool(be).acquire(x.size, src.dtype)
-            await ALL_REDUCE[algo](call, be, src, out, reduce_op)
-            be.copy_out(out, x)
-            self._release(be, out, copy)
+            work = self.pool(be).acquire(x.size, src.dtype)
+            dst = src if copy is None else work  # x itself when contiguous: no final copy
+            pending = await ALL_REDUCE[algo](call, be, src, work, dst, reduce_op)
+            if dst is work:
+                be.copy_out(work, x)
+            self.pool(be).release(work, pending)
+            self._release(be, copy)
             return x
 
         return Plan(fp, body)

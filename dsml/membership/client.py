@@ -45,7 +45,7 @@ class RegistryClient:
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
         if env.kind in _REPLY_KINDS:
-            self._replies.put(env.kind, env)
+            self._replies.put(env.kind, None, env)
         elif env.kind is Kind.VIEW_CHANGED:
             self._handle_view_changed(env)
         else:
@@ -64,7 +64,7 @@ class RegistryClient:
         await self._channel.send(Envelope(kind, body=body))
 
     async def _reply(self, *kinds: Kind) -> Envelope:
-        waits = {asyncio.ensure_future(self._replies.get(k)): k for k in kinds}
+        waits = {asyncio.ensure_future(self._replies.get(k, None)): k for k in kinds}
         try:
             async with asyncio.timeout(self.config.registry_timeout):
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -6,6 +6,7 @@ per-key mailboxes, and receipts for buffers sent without copying.
 
 from .context import check_address, live_sockets
 from .mailbox import Mailbox
+from .malloc import tune_malloc
 from .sockets import Channel, Endpoint, Handler
 from .tracker import DONE, Sent, wait_sent
 
@@ -18,5 +19,6 @@ __all__ = [
     "Sent",
     "check_address",
     "live_sockets",
+    "tune_malloc",
     "wait_sent",
 ]

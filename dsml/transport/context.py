@@ -1,7 +1,9 @@
 """The process-wide ZeroMQ context and socket bookkeeping (transport layer).
 
 All dsml sockets of a process share one context with one I/O thread; the context lives as
-long as the process, so closing a communicator never blocks on `zmq_ctx_term`. Every socket
+long as the process, so closing a communicator never blocks on `zmq_ctx_term`. Sockets are
+plain (non-blocking) pyzmq sockets: `sockets.py` integrates them with asyncio itself, which
+costs a fraction of `zmq.asyncio`'s per-message futures. Every socket
 we open is registered here until closed, so tests can prove nothing was left open.
 """
 
@@ -12,26 +14,25 @@ import weakref
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from ..errors import ConfigError
 
 __all__ = ["check_address", "live_sockets", "new_socket"]
 
 _lock = threading.Lock()
-_context: zmq.asyncio.Context | None = None
-_live: weakref.WeakSet[zmq.asyncio.Socket] = weakref.WeakSet()
+_context: zmq.Context[zmq.Socket[bytes]] | None = None
+_live: weakref.WeakSet[zmq.Socket[bytes]] = weakref.WeakSet()
 
 
-def _shared_context() -> zmq.asyncio.Context:
+def _shared_context() -> zmq.Context[zmq.Socket[bytes]]:
     global _context
     with _lock:
         if _context is None or _context.closed:
-            _context = zmq.asyncio.Context(io_threads=1)
+            _context = zmq.Context(io_threads=1)
         return _context
 
 
-def new_socket(socket_type: int, **options: Any) -> zmq.asyncio.Socket:
+def new_socket(socket_type: int, **options: Any) -> zmq.Socket[bytes]:
     """Open a socket of the shared context and apply options (name -> value)."""
     sock = _shared_context().socket(socket_type)
     sock.setsockopt(zmq.LINGER, 0)

@@ -13,8 +13,9 @@ limits, rejects foreign versions and unexpected types, and raises nothing but
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -36,6 +37,7 @@ MAX_ENVELOPE_BYTES = 64 * 1024
 _INT64_MAX = (1 << 63) - 1
 _MAX_DIMS = 64
 _MAX_NAME = 64
+_KINDS = {int(kind): kind for kind in Kind}
 
 
 #: Collectives whose first axis may differ between ranks: their fingerprint's `shape`
@@ -62,6 +64,8 @@ class Fingerprint:
 
     def conflicts(self, other: Fingerprint) -> list[str]:
         """Names of the fields that both know and that differ."""
+        if other is self or other == self:
+            return []
         names = ("collective", "dtype", "count", "shape", "op", "root", "algorithm")
         return [
             name
@@ -99,26 +103,42 @@ class Fingerprint:
 
     @classmethod
     def from_wire(cls, raw: Any) -> Fingerprint:
-        if not isinstance(raw, list) or len(raw) != 7:
-            raise ProtocolError("fingerprint must be an array of 7 items")
-        collective, dtype, count, shape, op, root, algorithm = raw
-        _check_name(collective, "fingerprint.collective", optional=False)
-        _check_name(dtype, "fingerprint.dtype")
-        _check_name(op, "fingerprint.op")
-        _check_name(algorithm, "fingerprint.algorithm")
-        _check_int(count, "fingerprint.count", optional=True)
-        _check_int(root, "fingerprint.root", optional=True)
-        if shape is not None:
-            if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
-                raise ProtocolError("fingerprint.shape must be an array of at most 64 integers")
-            for dim in shape:
-                _check_int(dim, "fingerprint.shape")
-            shape = tuple(shape)
-        return cls(collective, dtype, count, shape, op, root, algorithm)
+        """Validate an untrusted wire fingerprint (cached: peers repeat the same few)."""
+        if isinstance(raw, list) and len(raw) == 7 and isinstance(raw[3], list | None):
+            shape = tuple(raw[3]) if raw[3] is not None else None
+            key = (*raw[:3], shape, *raw[4:])
+            try:
+                return _cached_fingerprint(key)
+            except TypeError:
+                pass  # unhashable parts: not a valid fingerprint; let the checks say why
+        return _check_fingerprint(raw)
 
 
-@dataclass(frozen=True, slots=True)
-class Envelope:
+def _check_fingerprint(raw: Any) -> Fingerprint:
+    if not isinstance(raw, list | tuple) or len(raw) != 7:
+        raise ProtocolError("fingerprint must be an array of 7 items")
+    collective, dtype, count, shape, op, root, algorithm = raw
+    _check_name(collective, "fingerprint.collective", optional=False)
+    _check_name(dtype, "fingerprint.dtype")
+    _check_name(op, "fingerprint.op")
+    _check_name(algorithm, "fingerprint.algorithm")
+    _check_int(count, "fingerprint.count", optional=True)
+    _check_int(root, "fingerprint.root", optional=True)
+    if shape is not None:
+        if not isinstance(shape, list | tuple) or len(shape) > _MAX_DIMS:
+            raise ProtocolError("fingerprint.shape must be an array of at most 64 integers")
+        for dim in shape:
+            _check_int(dim, "fingerprint.shape")
+        shape = tuple(shape)
+    return Fingerprint(collective, dtype, count, shape, op, root, algorithm)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_fingerprint(key: tuple[Any, ...]) -> Fingerprint:
+    return _check_fingerprint(key)
+
+
+class Envelope(NamedTuple):
     """Header of one message; payload frames travel beside it, not inside."""
 
     kind: Kind
@@ -128,7 +148,7 @@ class Envelope:
     step: int = 0
     chunk: int = 0
     fingerprint: Fingerprint | None = None
-    body: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    body: dict[str, Any] | None = None
 
 
 def _check_int(value: Any, what: str, *, optional: bool = False, lo: int = 0) -> None:
@@ -195,10 +215,7 @@ def decode(data: bytes | memoryview, *, max_bytes: int = MAX_ENVELOPE_BYTES) -> 
     version, kind, epoch, src, cid, step, chunk, fp, body = raw
     if version != PROTOCOL_VERSION or type(version) is not int:
         raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
-    try:
-        kind = Kind(kind) if type(kind) is int else None
-    except ValueError:
-        kind = None
+    kind = _KINDS.get(kind) if type(kind) is int else None
     if kind is None:
         raise ProtocolError(f"unknown message kind {raw[1]!r}")
     _check_int(epoch, "epoch")

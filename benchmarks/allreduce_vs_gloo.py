@@ -1,0 +1,110 @@
+"""dsml all_reduce against torch.distributed (Gloo), side by side in one run.
+
+    python benchmarks/allreduce_vs_gloo.py -n 4 --sizes 4K,1M,16M,64M
+
+Runs `dsml bench --json` (algorithm auto, plus --algorithms if given), then, when torch is
+installed, the same sizes through torch.distributed with the Gloo backend, timed the same
+way, and prints median time and bus bandwidth for both with their ratio. Benchmarks are not
+tests: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def dsml_rows(n: int, sizes: str, algorithms: str) -> list[dict[str, Any]]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsml",
+        "bench",
+        "-n",
+        str(n),
+        "--sizes",
+        sizes,
+        "--algorithm",
+        algorithms,
+        "--json",
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out[out.index("[") :])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gloo_rows(n: int, sizes: list[int]) -> list[dict[str, Any]]:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("# torch is not installed: Gloo side skipped (pip install torch)", file=sys.stderr)
+        return []
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsml",
+        "run",
+        "-n",
+        str(n),
+        str(HERE / "gloo_worker.py"),
+        ",".join(map(str, sizes)),
+        str(free_port()),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return [
+        json.loads(line.split("GLOO_ROW ", 1)[1])
+        for line in out.splitlines()
+        if "GLOO_ROW " in line
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, default=4)
+    parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
+    parser.add_argument("--algorithms", default="auto", help="dsml algorithms to include")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    ours = dsml_rows(args.n, args.sizes, args.algorithms)
+    sizes = sorted({r["bytes"] for r in ours})
+    theirs = {r["bytes"]: r for r in gloo_rows(args.n, sizes)}
+    if args.json:
+        print(json.dumps({"dsml": ours, "gloo": list(theirs.values())}, indent=2))
+        return
+    print(
+        f"# world_size={args.n}, float32 sum, median of timed calls; ratio = Gloo time / dsml time"
+    )
+    print(
+        f"# {'bytes':>10} {'algorithm':>9} {'dsml us':>10} {'busbw':>7} "
+        f"{'gloo us':>10} {'busbw':>7} {'speedup':>8}"
+    )
+    for r in ours:
+        g = theirs.get(r["bytes"])
+        gl = (
+            f"{g['median_s'] * 1e6:>10.1f} {g['busbw_GBps']:>7.3f} "
+            f"{g['median_s'] / r['median_s']:>7.2f}x"
+            if g
+            else f"{'-':>10} {'-':>7} {'-':>8}"
+        )
+        print(
+            f"  {r['bytes']:>10} {r['algorithm']:>9} {r['median_s'] * 1e6:>10.1f} "
+            f"{r['busbw_GBps']:>7.3f} {gl}"
+        )
+
+
+if __name__ == "__main__":
+    main()

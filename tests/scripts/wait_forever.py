@@ -1,0 +1,20 @@
+"""Join, print our pid, then wait until interrupted (for signal-forwarding tests)."""
+
+import asyncio
+import os
+
+import dsml
+
+
+async def main() -> None:
+    async with dsml.init() as comm:
+        print(f"ready {os.getpid()}", flush=True)
+        await comm.barrier()
+        await asyncio.Event().wait()
+
+
+try:
+    asyncio.run(main())
+except KeyboardInterrupt:
+    print(f"interrupted {os.getpid()}", flush=True)
+    raise SystemExit(130) from None

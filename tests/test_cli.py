@@ -1,0 +1,179 @@
+"""The dsml command, through real processes: run, bench, status, registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dsml
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+DSML = [sys.executable, "-m", "dsml"]
+
+pytestmark = pytest.mark.multiprocess
+
+
+def dsml_cmd(*args: str, timeout: float = 60, env: dict[str, str] | None = None):
+    return subprocess.run(
+        [*DSML, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_version_and_help_work_for_every_subcommand():
+    assert dsml_cmd("--version").stdout.strip() == f"dsml {dsml.__version__}"
+    for sub in ([], ["registry"], ["run"], ["bench"], ["status"]):
+        result = dsml_cmd(*sub, "--help")
+        assert result.returncode == 0, result.stderr
+        assert "usage: dsml" in result.stdout
+
+
+def test_run_starts_the_example_with_rank_prefixed_output():
+    result = dsml_cmd("run", "-n", "4", "examples/hello_all_reduce.py")
+    assert result.returncode == 0, result.stderr
+    for rank in range(4):
+        assert f"[rank {rank}] rank {rank}/4: all_reduce(sum) of " in result.stdout
+        assert "-> [6.0, 10.0, 14.0, 18.0]" in result.stdout
+    assert "every element is 1.0" in result.stdout
+
+
+def test_run_gives_each_rank_the_variables_torchrun_users_expect():
+    result = dsml_cmd("run", "-n", "3", str(SCRIPTS / "show_env.py"), env={"OMP_NUM_THREADS": ""})
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines()]
+    by_rank = {int(r["RANK"]): r for r in rows}
+    assert sorted(by_rank) == [0, 1, 2]
+    for rank, row in by_rank.items():
+        assert row["LOCAL_RANK"] == str(rank)
+        assert row["WORLD_SIZE"] == row["LOCAL_WORLD_SIZE"] == row["DSML_WORLD_SIZE"] == "3"
+        assert row["comm_rank"] == rank  # dsml.init() honours the launcher's rank
+        assert row["comm_world_size"] == 3
+        assert row["OMP_NUM_THREADS"] == "1"
+        assert row["DSML_REGISTRY"].startswith("tcp://127.0.0.1:")
+
+
+def test_run_keeps_a_thread_count_the_user_chose():
+    result = dsml_cmd("run", "-n", "2", str(SCRIPTS / "show_env.py"), env={"OMP_NUM_THREADS": "3"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count('"OMP_NUM_THREADS": "3"') == 2
+
+
+def test_a_failing_rank_stops_the_job_and_is_named_with_its_error():
+    start = time.monotonic()
+    result = dsml_cmd("run", "-n", "4", str(SCRIPTS / "fail_on_rank.py"), env={"FAIL_RANK": "2"})
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert "dsml run: rank 2 failed (exit code 1)" in result.stderr
+    assert "RuntimeError: rank 2 cannot find its batch" in result.stderr
+    assert elapsed < 30  # stopped, not waiting for the collective timeout (120 s)
+
+
+def test_interrupting_the_launcher_reaches_every_rank_and_ends_them():
+    proc = subprocess.Popen(
+        [*DSML, "run", "-n", "2", str(SCRIPTS / "wait_forever.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    pids = []
+    assert proc.stdout is not None
+    while len(pids) < 2:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        if "ready" in line:
+            pids.append(int(line.split()[-1]))
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert out.count("interrupted") == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bench_prints_json_rows_with_consistent_bandwidths():
+    result = dsml_cmd(
+        "bench",
+        "-n",
+        "2",
+        "--sizes",
+        "4K,64K",
+        "--algorithm",
+        "ring,tree",
+        "--iters",
+        "3",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert {(r["bytes"], r["algorithm"]) for r in rows} == {
+        (4096, "ring"),
+        (4096, "tree"),
+        (65536, "ring"),
+        (65536, "tree"),
+    }
+    for row in rows:
+        assert set(row) >= {
+            "bytes",
+            "world_size",
+            "algorithm",
+            "op",
+            "median_s",
+            "algbw_GBps",
+            "busbw_GBps",
+        }
+        assert row["median_s"] > 0
+        assert row["algbw_GBps"] == pytest.approx(row["bytes"] / row["median_s"] / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * 1 / 2)
+
+
+def test_bench_table_has_a_header_and_one_row_per_measurement():
+    result = dsml_cmd("bench", "-n", "2", "--sizes", "4K", "--iters", "2")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines[0].startswith("# dsml bench: world_size=2")
+    assert "busbw(GB/s)" in lines[1]
+    assert lines[2].split()[:2] == ["4096", "auto(tree)"]
+
+
+def test_status_exits_1_when_no_registry_answers():
+    result = dsml_cmd("status", "--registry", "tcp://127.0.0.1:9", "--wait", "0.5")
+    assert result.returncode == 1
+    assert "no registry answered" in result.stdout
+
+
+def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():
+    proc = subprocess.Popen(
+        [*DSML, "registry", "--address", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        address = line.strip().rsplit(" ", 1)[-1]
+        assert address.startswith("tcp://127.0.0.1:"), line
+        run = dsml_cmd("run", "-n", "2", "--registry", address, "examples/hello_all_reduce.py")
+        assert run.returncode == 0, run.stderr
+        status = dsml_cmd("status", "--registry", address, "--json")
+        assert status.returncode == 0
+        assert json.loads(status.stdout)["epoch"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+    assert proc.returncode == 0
