@@ -83,7 +83,7 @@ class Failure:
 
     def report(self) -> str:
         lines = [
-            f"dsml run: rank {self.rank} failed first ({describe_exit(self.code)}); "
+            f"dsml run: rank {self.rank} failed ({describe_exit(self.code)}); "
             "the other ranks were stopped."
         ]
         if self.tail:

@@ -211,29 +211,23 @@ class Communicator:
 
         def start() -> CollectiveHandle[Array]:
             budget = self._budget(timeout)
-            peer, tag_, seq = self._p2p.plan_recv(src, tag)
-            call = Call(self._mesh, seq, Fingerprint("recv"), budget, peer=peer)
+            peer, tag_ = self._p2p.plan_recv(src, tag)
+            call = Call(self._mesh, 0, Fingerprint("recv", root=tag_), budget, peer=peer)
             what = f"recv from rank {peer} (tag {tag_})"
             hint = (
                 f"rank {peer} has not sent it: check that it calls send(x, {self.rank}, tag={tag_})"
             )
 
             def receive() -> Awaitable[Array]:
-                return self._receive(peer, tag_, seq)
+                return self._p2p.receive(peer, tag_)
 
             task = self._loop.create_task(self._run_p2p(receive, budget, what, hint, [peer], call))
             call.task = task
             self._mesh.receives.add(call)
             task.add_done_callback(lambda _t: self._mesh.receives.discard(call))
-            return CollectiveHandle(task, "recv", seq)
+            return CollectiveHandle(task, "recv", 0)
 
         return self._on_loop(start)
-
-    async def _receive(self, src: int, tag: int, seq: int) -> Array:
-        last = self._mesh.closed_after.get(src)
-        if last is not None:
-            raise ConfigError(f"recv from rank {src}: rank {src} has closed its communicator")
-        return await self._p2p.receive(src, tag, seq)
 
     async def _run_p2p(
         self,
@@ -388,6 +382,7 @@ class Communicator:
         if self._closed:
             return
         calls = [c.task for c in self._mesh.calls.values() if c.task is not None]
+        calls += [r.task for r in self._mesh.receives if r.task is not None]
         for task in calls:
             task.cancel()
         if calls:

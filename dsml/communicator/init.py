@@ -7,6 +7,7 @@ defaults, once, and hands frozen configuration inward.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -94,6 +95,8 @@ async def _join(args: _JoinArgs) -> Communicator:
         view = await registry.join(args.world_size, args.rank)
         mesh.set_view(view)
     except BaseException:
+        with contextlib.suppress(Exception):
+            await registry.leave()  # the registry must not keep a member that is not coming
         await registry.aclose()
         await mesh.aclose()
         raise

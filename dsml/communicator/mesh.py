@@ -26,7 +26,7 @@ from ..wire import Envelope, Fields, Kind
 from .call import Call
 from .diagnose import abort_body, error_from_abort, goodbye_message, mismatch_message
 
-__all__ = ["Mesh"]
+__all__ = ["PEER_LEFT", "Mesh"]
 
 log = logging.getLogger("dsml.communicator")
 
@@ -35,6 +35,9 @@ _MAX_AHEAD = 1 << 20  # how far past our newest call a peer's collective id may 
 _LANES = {Kind.CHUNK: Lane.DATA, Kind.CONFIRM: Lane.CONFIRM}
 
 Item = tuple[Envelope, list[memoryview]]
+
+#: Queued behind a closed peer's last point-to-point messages: receiving it means "no more".
+PEER_LEFT = Envelope(Kind.GOODBYE)
 
 
 class Mesh:
@@ -301,18 +304,22 @@ class Mesh:
         for call in list(self.calls.values()):
             if call.cid > last:
                 call.fail(self._goodbye_error(call, rank, last))
-        for receive in list(self.receives):
-            if receive.peer == rank:
-                receive.fail(
-                    CollectiveAbortedError(
-                        f"recv from rank {rank} cannot complete: rank {rank} closed its "
-                        "communicator without sending it",
-                        origin=rank,
-                        rank=self.rank,
-                        epoch=self.epoch,
-                        collective="recv",
-                    )
-                )
+        for tag in {r.fingerprint.root for r in self.receives if r.peer == rank}:
+            # A marker behind the messages already queued: they are still delivered.
+            self.mailbox.put(("p2p", env.epoch), (rank, tag), (PEER_LEFT, []))
+
+    def peer_left_error(self, peer: int) -> CollectiveAbortedError:
+        """The error of a receive from a peer that closed its communicator."""
+        error = self.left_with_error.get(peer)
+        why = f" after an error: {error}" if error is not None else ""
+        return CollectiveAbortedError(
+            f"recv from rank {peer} cannot complete: rank {peer} closed its communicator "
+            f"without sending (more){why}",
+            origin=peer,
+            rank=self.rank,
+            epoch=self.epoch,
+            collective="recv",
+        )
 
     def handle_peer_message(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         if env.fingerprint is None:

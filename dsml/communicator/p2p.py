@@ -19,7 +19,7 @@ from ..collectives.chunking import chunk_spans
 from ..errors import ConfigError, ProtocolError
 from ..transport import wait_sent
 from ..wire import Envelope, Fingerprint, Kind
-from .mesh import Mesh
+from .mesh import PEER_LEFT, Mesh
 
 __all__ = ["PointToPoint"]
 
@@ -71,18 +71,29 @@ class PointToPoint:
 
         return fp, send
 
-    def plan_recv(self, src: object, tag: object) -> tuple[int, int, int]:
-        """Validate a recv; returns (src, tag, sequence number)."""
-        src, tag = self._check_peer(src, tag, "src")
-        self._received[(src, tag)] += 1
-        return src, tag, self._received[(src, tag)]
+    def plan_recv(self, src: object, tag: object) -> tuple[int, int]:
+        """Validate a recv; returns (src, tag)."""
+        return self._check_peer(src, tag, "src")
 
-    async def receive(self, src: int, tag: int, seq: int) -> Array:
-        """Take the next message from (src, tag) and turn it into a new array."""
-        env, frames = await self._mesh.mailbox.get(("p2p", self._mesh.epoch), (src, tag))
+    async def receive(self, src: int, tag: int) -> Array:
+        """Take the next message from (src, tag) and turn it into a new array.
+
+        Messages are numbered when taken, so a receive that timed out without one leaves
+        the stream intact. If src has closed, queued messages are still delivered; after
+        them, receiving fails (a `Goodbye` queues a marker behind the last message).
+        """
+        group = ("p2p", self._mesh.epoch)
+        if src in self._mesh.closed_after and not self._mesh.mailbox.count(group, (src, tag)):
+            raise self._mesh.peer_left_error(src)
+        env, frames = await self._mesh.mailbox.get(group, (src, tag))
+        if env is PEER_LEFT:  # src closed after its last message
+            self._mesh.mailbox.put(group, (src, tag), (env, frames))  # for later receives
+            raise self._mesh.peer_left_error(src)
+        seq = self._received[(src, tag)] + 1
         fp = env.fingerprint
         if env.cid != seq:
             raise ProtocolError(f"message #{env.cid} from rank {src} (tag {tag}) arrived as #{seq}")
+        self._received[(src, tag)] = seq
         if fp is None or fp.dtype not in DTYPES or fp.shape is None or fp.count is None:
             raise ProtocolError(f"rank {src} sent a message without dtype and shape")
         dtype = DTYPES[fp.dtype]

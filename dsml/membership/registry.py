@@ -19,8 +19,8 @@ from typing import Any
 
 from .._opener import Opener
 from ..config import RegistryConfig
-from ..errors import ProtocolError
-from ..transport import Endpoint
+from ..errors import ConfigError, ProtocolError
+from ..transport import Endpoint, check_address
 from ..wire import Envelope, Fields, Kind
 from .view import Member, View
 
@@ -143,6 +143,10 @@ class Registry:
             self._form_group(world_size)
 
     def _join_refusal(self, member: Member, world_size: int, wanted: int | None) -> str:
+        try:
+            check_address(member.address, "member address")
+        except ConfigError as exc:
+            return str(exc)
         if self._view is not None:
             return (
                 f"a group of {self._view.size} is running at epoch {self._view.epoch}; "

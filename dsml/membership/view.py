@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import ConfigError, ProtocolError
+from ..transport import check_address
 from ..wire import Fields
 
 __all__ = ["Member", "View"]
@@ -74,6 +75,11 @@ class View:
     @classmethod
     def from_wire(cls, fields: Fields) -> View:
         members = tuple(Member.from_wire(f) for f in fields.map_list("members"))
+        for member in members:
+            try:
+                check_address(member.address, "member address")
+            except ConfigError as exc:
+                raise ProtocolError(f"a view lists a bad address: {exc}") from None
         if not members:
             raise ProtocolError("a view needs at least one member")
         if len({m.id for m in members}) != len(members):

@@ -23,24 +23,38 @@ class Mailbox(Generic[T]):
 
     def __init__(self) -> None:
         self._groups: dict[Hashable, dict[Hashable, deque[T]]] = {}
-        self._waiters: dict[tuple[Hashable, Hashable], asyncio.Future[T]] = {}
+        self._waiters: dict[tuple[Hashable, Hashable], deque[asyncio.Future[T]]] = {}
 
     def put(self, group: Hashable, key: Hashable, item: T) -> None:
-        """Deliver an item; wakes the waiter of that key if there is one."""
-        waiter = self._waiters.pop((group, key), None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(item)
-            return
+        """Deliver an item; wakes the oldest waiter of that key if there is one."""
+        waiters = self._waiters.get((group, key))
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiters:
+                del self._waiters[(group, key)]
+            if not waiter.done():
+                waiter.set_result(item)
+                return
+        self._append(group, key, item)
+
+    def _append(self, group: Hashable, key: Hashable, item: T, *, front: bool = False) -> None:
         queues = self._groups.get(group)
         if queues is None:
             queues = self._groups[group] = {}
         queue = queues.get(key)
         if queue is None:
             queue = queues[key] = deque()
-        queue.append(item)
+        if front:
+            queue.appendleft(item)
+        else:
+            queue.append(item)
 
     async def get(self, group: Hashable, key: Hashable) -> T:
-        """Take the oldest item under (group, key), waiting for one (one waiter per key)."""
+        """Take the oldest item under (group, key), waiting for one.
+
+        Several waiters on one key are served in the order they started waiting. A waiter
+        cancelled after its item was handed over puts the item back: nothing is lost.
+        """
         queues = self._groups.get(group)
         if queues:
             queue = queues.get(key)
@@ -52,14 +66,24 @@ class Mailbox(Generic[T]):
                         del self._groups[group]
                 return item
         address = (group, key)
-        assert address not in self._waiters, f"two waiters on mailbox key {address!r}"
         waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._waiters[address] = waiter
+        self._waiters.setdefault(address, deque()).append(waiter)
         try:
             return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._append(group, key, waiter.result(), front=True)
+            raise
         finally:
-            if self._waiters.get(address) is waiter:
-                del self._waiters[address]
+            waiters = self._waiters.get(address)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[address]
+
+    def count(self, group: Hashable, key: Hashable) -> int:
+        """Items queued under (group, key)."""
+        return len(self._groups.get(group, {}).get(key, ()))
 
     def first_items(self, group: Hashable) -> list[tuple[Any, T]]:
         """(key, oldest item) of every non-empty queue of a group, without taking them."""

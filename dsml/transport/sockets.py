@@ -128,15 +128,32 @@ def _frames(env: Envelope, payload: Sequence[Any]) -> list[Any]:
     return [encode(env), *payload]
 
 
-def _needs_tracking(payload: Sequence[Any], threshold: int) -> bool:
-    return any(memoryview(buf).nbytes >= threshold for buf in payload)
+def _zero_copy_frames(
+    payload: Sequence[Any], threshold: int
+) -> tuple[list[Any], zmq.MessageTracker | None]:
+    """Wrap the buffers that are large enough to go without copying in tracked frames.
+
+    pyzmq's `send_multipart(track=True)` tracks only the last frame, so each large buffer
+    gets its own tracked frame and the receipt watches all of them.
+    """
+    parts: list[Any] = []
+    tracked: list[zmq.Frame] = []
+    for buf in payload:
+        if memoryview(buf).nbytes >= threshold:
+            frame = zmq.Frame(buf, copy=False, track=True)
+            tracked.append(frame)
+            parts.append(frame)
+        else:
+            parts.append(buf)
+    return parts, zmq.MessageTracker(*tracked) if tracked else None
 
 
-async def _send(sock: zmq.Socket[bytes], frames: list[Any], track: bool) -> Any:
+async def _send(sock: zmq.Socket[bytes], frames: list[Any]) -> None:
     """Send without blocking the loop; when the queue is full, retry until it is not."""
     while True:
         try:
-            return sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return
         except zmq.Again:
             await asyncio.sleep(_FULL_POLL_S)
 
@@ -191,7 +208,7 @@ class Endpoint:
     async def send(self, identity: bytes, env: Envelope, payload: Sequence[Any] = ()) -> bool:
         """Send to a connected peer by identity; False if it is not connected (dropped)."""
         try:
-            await _send(self._sock, [identity, *_frames(env, payload)], False)
+            await _send(self._sock, [identity, *_frames(env, payload)])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
@@ -261,15 +278,15 @@ class Channel:
 
         Returns a receipt: do not modify those payload buffers until `receipt.done()`.
         """
-        track = _needs_tracking(payload, self._threshold)
+        parts, tracker = _zero_copy_frames(payload, self._threshold)
         try:
-            tracker = await _send(self._sock, _frames(env, payload), track)
+            await _send(self._sock, _frames(env, parts))
         except zmq.ZMQError as exc:
             raise DsmlError(f"send to {self.address} failed: {exc}") from None
         finally:
             if self._reader is not None:
                 self._reader.kick()
-        return Sent(tracker) if track else DONE
+        return DONE if tracker is None else Sent(tracker)
 
     @property
     def dropped(self) -> int:

@@ -13,7 +13,6 @@ limits, rejects foreign versions and unexpected types, and raises nothing but
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -105,10 +104,11 @@ class Fingerprint:
     def from_wire(cls, raw: Any) -> Fingerprint:
         """Validate an untrusted wire fingerprint (cached: peers repeat the same few)."""
         if isinstance(raw, list) and len(raw) == 7 and isinstance(raw[3], list | None):
-            shape = tuple(raw[3]) if raw[3] is not None else None
-            key = (*raw[:3], shape, *raw[4:])
+            # Types are part of the key: True == 1 and 1.0 == 1 must not hit a valid entry.
+            shape = tuple((type(d), d) for d in raw[3]) if raw[3] is not None else None
+            key = (*((type(v), v) for v in raw[:3]), shape, *((type(v), v) for v in raw[4:]))
             try:
-                return _cached_fingerprint(key)
+                return _cached_fingerprint(key, raw)
             except TypeError:
                 pass  # unhashable parts: not a valid fingerprint; let the checks say why
         return _check_fingerprint(raw)
@@ -133,9 +133,17 @@ def _check_fingerprint(raw: Any) -> Fingerprint:
     return Fingerprint(collective, dtype, count, shape, op, root, algorithm)
 
 
-@functools.lru_cache(maxsize=1024)
-def _cached_fingerprint(key: tuple[Any, ...]) -> Fingerprint:
-    return _check_fingerprint(key)
+def _cached_fingerprint(key: tuple[Any, ...], raw: list[Any]) -> Fingerprint:
+    fingerprint = _FINGERPRINTS.get(key)
+    if fingerprint is None:
+        fingerprint = _check_fingerprint(raw)
+        if len(_FINGERPRINTS) >= 1024:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[key] = fingerprint
+    return fingerprint
+
+
+_FINGERPRINTS: dict[tuple[Any, ...], Fingerprint] = {}
 
 
 class Envelope(NamedTuple):

@@ -1,0 +1,285 @@
+"""Point-to-point send and recv between the ranks of an in-process cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+
+from dsml import (
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommConfig,
+    ConfigError,
+)
+from dsml.testing import open_local_cluster
+
+from .reference import DTYPE_NAMES, dtype
+
+PATIENT = CommConfig(timeout=30)
+SMALL_FRAMES = CommConfig(timeout=30, chunk_bytes=1 << 20, max_frame_bytes=1 << 20)
+
+
+def assert_same_array(received: np.ndarray, sent: np.ndarray) -> None:
+    assert received.dtype == sent.dtype
+    assert received.shape == sent.shape
+    assert received.tobytes() == np.ascontiguousarray(sent).tobytes()
+
+
+async def test_messages_are_ordered_per_source_destination_and_tag():
+    async with open_local_cluster(3, config=PATIENT) as cluster:
+        tags = [0, 1, 0, 2, 1, 0, 2, 2, 1, 0]
+        sends = [
+            cluster[src].send(np.array([src, i, tag]), 2, tag=tag)
+            for i, tag in enumerate(tags)
+            for src in (0, 1)
+        ]
+        # Receive tag by tag, in an order unlike the send order.
+        got = {
+            (src, tag): [await cluster[2].recv(src, tag=tag) for _ in range(tags.count(tag))]
+            for tag in (2, 0, 1)
+            for src in (1, 0)
+        }
+        await asyncio.gather(*sends)
+        for (src, tag), arrays in got.items():
+            expected = [[src, i, tag] for i, t in enumerate(tags) if t == tag]
+            assert [a.tolist() for a in arrays] == expected
+
+
+async def test_sends_in_both_directions_do_not_interfere():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+
+        async def exchange(comm):
+            peer = 1 - comm.rank
+            sends = [comm.send(np.full(4, comm.rank * 100 + i), peer) for i in range(5)]
+            received = [await comm.recv(peer) for _ in range(5)]
+            await asyncio.gather(*sends)
+            return [int(r[0]) for r in received]
+
+        assert await cluster.run(exchange) == [[100, 101, 102, 103, 104], [0, 1, 2, 3, 4]]
+
+
+async def test_a_recv_posted_before_the_send_gets_the_message():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        pending = cluster[1].recv(0, tag=7)
+        await asyncio.sleep(0)  # the recv is running and waiting
+        assert not pending.done()
+        x = np.arange(10.0)
+        await cluster[0].send(x, 1, tag=7)
+        assert_same_array(await pending, x)
+
+
+async def test_a_recv_posted_after_the_send_gets_the_message():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        x = np.arange(10.0)
+        await cluster[0].send(x, 1, tag=7)
+        assert_same_array(await cluster[1].recv(0, tag=7), x)
+
+
+@pytest.mark.parametrize("nbytes", [3 << 20, (3 << 20) + 12, (1 << 20) - 4])
+async def test_an_array_larger_than_a_frame_arrives_exactly(nbytes):
+    async with open_local_cluster(2, config=SMALL_FRAMES) as cluster:
+        x = np.random.default_rng(nbytes).integers(-(2**31), 2**31, nbytes // 4, dtype=np.int32)
+        received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
+        assert_same_array(received, x)
+
+
+async def test_an_array_too_large_for_one_message_is_refused_before_sending():
+    tiny_frames = CommConfig(chunk_bytes=4096, max_frame_bytes=4096)
+    async with open_local_cluster(2, config=tiny_frames) as cluster:
+        with pytest.raises(ConfigError, match="more than one message may carry"):
+            cluster[0].send(np.zeros(4096 * 4096 + 1, dtype=np.uint8), 1)  # 4097 frames
+        x = np.zeros(4096 * 4096, dtype=np.uint8)  # 4096 frames: the most allowed
+        received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
+        assert_same_array(received, x)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: np.arange(40.0).reshape(5, 8)[:, ::3], id="strided"),
+        pytest.param(lambda: np.arange(24).reshape(2, 3, 4).transpose(2, 0, 1), id="transposed"),
+        pytest.param(lambda: np.arange(12, dtype=">i4").reshape(3, 4), id="big-endian"),
+        pytest.param(lambda: np.asfortranarray(np.arange(12.0).reshape(3, 4)), id="fortran"),
+    ],
+)
+async def test_a_non_contiguous_array_arrives_as_a_contiguous_copy_with_the_same_values(make):
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        x = make()
+        received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
+        assert received.shape == x.shape
+        assert received.dtype == x.dtype.newbyteorder("=")
+        assert received.flags.c_contiguous
+        np.testing.assert_array_equal(received, x)
+
+
+@pytest.mark.parametrize("name", DTYPE_NAMES)
+async def test_every_dtype_round_trips(name):
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        x = (np.arange(24) % 7).astype(dtype(name)).reshape(4, 6)
+        if name.startswith("complex"):
+            x = x - 1j * x
+        received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
+        assert_same_array(received, x)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        pytest.param(np.zeros(0, dtype=np.float32), id="empty"),
+        pytest.param(np.zeros((0, 3), dtype=np.int16), id="empty 2-d"),
+        pytest.param(np.zeros((4, 0, 2), dtype=np.complex64), id="empty 3-d"),
+        pytest.param(np.array(2.5), id="0-d"),
+        pytest.param(np.array(7, dtype=np.uint8), id="0-d uint8"),
+    ],
+)
+async def test_zero_size_and_zero_dimensional_arrays_keep_their_shape(x):
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
+        assert_same_array(received, x)
+
+
+@pytest.mark.parametrize("count", [10, 300_000], ids=["one small frame", "several frames"])
+async def test_the_received_array_is_writable(count):
+    config = CommConfig(timeout=30, chunk_bytes=1 << 18, max_frame_bytes=1 << 18)
+    async with open_local_cluster(2, config=config) as cluster:
+        x = np.arange(count, dtype=np.float32)
+        received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
+        assert received.flags.writeable
+        received += 1
+        np.testing.assert_array_equal(received, x + 1)
+
+
+async def test_recv_with_nothing_sent_times_out_naming_the_source_rank():
+    async with open_local_cluster(3, config=PATIENT) as cluster:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(CollectiveTimeoutError) as timed_out:
+            await cluster[0].recv(2, tag=5, timeout=0.3)
+        assert 0.3 <= loop.time() - started < 3
+        message = str(timed_out.value)
+        assert "recv from rank 2 (tag 5)" in message
+        assert "0.3 s" in message
+        assert "send(x, 0, tag=5)" in message
+        assert timed_out.value.missing == (2,)
+        assert timed_out.value.rank == 0
+        # The sequence number was used up by the failed recv: the next send and recv pair up.
+        x = np.arange(3)
+        received, _ = await asyncio.gather(cluster[0].recv(2, tag=6), cluster[2].send(x, 0, tag=6))
+        assert_same_array(received, x)
+
+
+async def test_a_recv_that_timed_out_does_not_break_later_receives_on_its_tag():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        with pytest.raises(CollectiveTimeoutError):
+            await cluster[0].recv(1, tag=4, timeout=0.2)
+        xs = [np.arange(3), np.arange(4), np.arange(5)]
+        for x in xs:
+            await cluster[1].send(x, 0, tag=4)
+        for x in xs:  # the abandoned recv took nothing: the stream starts at the first send
+            assert_same_array(await cluster[0].recv(1, tag=4, timeout=5), x)
+
+
+async def test_two_recvs_posted_on_the_same_source_and_tag_get_the_messages_in_order():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        first, second = cluster[0].recv(1, tag=2), cluster[0].recv(1, tag=2)
+        await asyncio.sleep(0)  # both are running and waiting
+        xs = [np.arange(3), np.arange(4)]
+        for x in xs:
+            await cluster[1].send(x, 0, tag=2)
+        outcomes = await asyncio.gather(first, second, return_exceptions=True)
+        for x, outcome in zip(xs, outcomes, strict=True):
+            assert isinstance(outcome, np.ndarray), repr(outcome)
+            assert_same_array(outcome, x)
+
+
+async def test_recv_from_a_rank_that_closed_fails_instead_of_hanging():
+    async with open_local_cluster(3, config=PATIENT) as cluster:
+        pending = cluster[0].recv(1)
+        await asyncio.sleep(0)  # the recv is running and waiting
+        await cluster[1].aclose()
+        with pytest.raises((CollectiveAbortedError, ConfigError), match="rank 1") as failed:
+            await pending
+        assert "closed its communicator" in str(failed.value)
+        with pytest.raises((CollectiveAbortedError, ConfigError), match="rank 1 closed its"):
+            await cluster[0].recv(1, tag=3)
+        # Ranks still open keep talking.
+        x = np.arange(5)
+        received, _ = await asyncio.gather(cluster[0].recv(2), cluster[2].send(x, 0))
+        assert_same_array(received, x)
+
+
+async def test_closing_a_communicator_ends_its_own_pending_recv():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        pending = cluster[0].recv(1)
+        await asyncio.sleep(0)  # the recv is running and waiting
+        try:
+            await cluster[0].aclose()
+            with pytest.raises((asyncio.CancelledError, CollectiveError, ConfigError)) as ended:
+                async with asyncio.timeout(2):  # far below the 30 s collective timeout
+                    await pending
+            assert not isinstance(ended.value, CollectiveTimeoutError)
+        finally:
+            pending.cancel()  # a recv that outlived its communicator must not leak
+            with contextlib.suppress(BaseException):
+                await pending
+
+
+@pytest.mark.parametrize("recv_first", [True, False], ids=["recv posted", "recv after close"])
+async def test_a_message_sent_before_the_sender_closed_is_still_received(recv_first):
+    async with open_local_cluster(5, config=PATIENT) as cluster:
+        senders = range(1, 5)
+        xs = {src: np.arange(8.0) * src for src in senders}
+        pending = {src: cluster[0].recv(src) for src in senders} if recv_first else {}
+
+        async def send_and_close(src):
+            await cluster[src].send(xs[src], 0)  # done: x may be modified, and was sent
+            await cluster[src].aclose()
+
+        await asyncio.gather(*(send_and_close(src) for src in senders))
+        outcomes = await asyncio.gather(
+            *(pending.get(src) or cluster[0].recv(src) for src in senders),
+            return_exceptions=True,
+        )
+        for src, outcome in zip(senders, outcomes, strict=True):
+            assert isinstance(outcome, np.ndarray), f"from rank {src}: {outcome!r}"
+            assert_same_array(outcome, xs[src])
+
+
+@pytest.mark.parametrize("count", [3 << 18, (3 << 18) + 5], ids=["whole frames", "short tail"])
+async def test_after_a_send_completes_the_input_can_be_modified_without_changing_what_arrives(
+    count,
+):
+    async with open_local_cluster(2, config=SMALL_FRAMES) as cluster:
+        for attempt in range(4):
+            x = np.full(count, attempt, dtype=np.float32)  # over 3 MiB: sent without copying
+            await cluster[0].send(x, 1)
+            x[:] = -1
+            received = await cluster[1].recv(0)
+            assert (received == attempt).all(), f"attempt {attempt}: the peer saw the change"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c: c.send(np.ones(2), 1, tag=-1), "tag=-1"),
+        (lambda c: c.send(np.ones(2), 1, tag=1 << 31), "tag="),
+        (lambda c: c.send(np.ones(2), 2), "dst=2"),
+        (lambda c: c.send(np.ones(2), True), "dst=True"),
+        (lambda c: c.recv(0), "src=0"),
+        (lambda c: c.recv(1, tag="a"), "tag='a'"),
+        (lambda c: c.send([1, 2], 1), "numpy array"),
+        (lambda c: c.send(np.array(["a"]), 1), "not supported"),
+        (lambda c: c.recv(1, timeout=0), "timeout"),
+    ],
+)
+async def test_bad_arguments_raise_config_error_at_the_call(call, message):
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        with pytest.raises(ConfigError, match=message):
+            call(cluster[0])
+        x = np.arange(3)
+        received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
+        assert_same_array(received, x)

@@ -1,0 +1,254 @@
+"""Group formation through the registry: ranks, refusals, new epochs, and clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+import dsml
+from dsml import (
+    CommConfig,
+    ConfigError,
+    JoinTimeoutError,
+    RegistryConfig,
+    RegistryUnavailableError,
+)
+from dsml.membership import query_status
+
+FAST = CommConfig(join_timeout=10, registry_timeout=5)
+
+
+async def eventually(predicate: Callable[[], bool], what: str, within: float = 2.0) -> None:
+    """Poll registry state (it has no event to wait on) until predicate() holds."""
+    try:
+        async with asyncio.timeout(within):
+            while not predicate():  # noqa: ASYNC110 (no event to wait on)
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {within} s: {what}") from None
+
+
+def joining(registry: dsml.Registry) -> int:
+    return len(registry.status()["joining"])
+
+
+@contextlib.asynccontextmanager
+async def closing(comms: list[dsml.Communicator]) -> AsyncIterator[list[dsml.Communicator]]:
+    try:
+        yield comms
+    finally:
+        await asyncio.gather(*(c.aclose() for c in comms))
+
+
+async def join_one_by_one(
+    registry: dsml.Registry, ranks: list[int | None]
+) -> list[dsml.Communicator]:
+    """Start one init per entry, each after the registry has queued the previous one."""
+    tasks: list[asyncio.Future[dsml.Communicator]] = []
+    try:
+        for index, rank in enumerate(ranks):
+            init = dsml.init(registry.address, len(ranks), rank=rank, config=FAST)
+            tasks.append(asyncio.ensure_future(init))
+            if index < len(ranks) - 1:
+                await eventually(lambda n=index + 1: joining(registry) == n, f"{index + 1} joined")
+    finally:
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    comms = [c for c in outcomes if isinstance(c, dsml.Communicator)]
+    if len(comms) < len(ranks):
+        await asyncio.gather(*(c.aclose() for c in comms))
+        raise next(o for o in outcomes if isinstance(o, BaseException))
+    return comms
+
+
+async def test_ranks_are_given_in_join_order():
+    async with (
+        dsml.open_registry() as registry,
+        closing(await join_one_by_one(registry, [None, None, None])) as comms,
+    ):
+        assert [c.rank for c in comms] == [0, 1, 2]
+        assert all(c.world_size == 3 for c in comms)
+        assert all(c.epoch == 1 for c in comms)
+        assert all(c.view == comms[0].view for c in comms)
+        assert [m.address for m in comms[0].view.members] == [c.address for c in comms]
+        assert registry.view == comms[0].view
+
+
+@pytest.mark.parametrize(
+    ("asked", "expected"),
+    [
+        ([2, 0, 1], [2, 0, 1]),
+        ([None, 0, None], [1, 0, 2]),
+        ([None, None, 0, None], [1, 2, 0, 3]),
+        ([3, None, None, 1], [3, 0, 2, 1]),
+    ],
+)
+async def test_requested_ranks_are_honoured_and_the_others_fill_the_gaps_in_join_order(
+    asked, expected
+):
+    async with (
+        dsml.open_registry() as registry,
+        closing(await join_one_by_one(registry, asked)) as comms,
+    ):
+        assert [c.rank for c in comms] == expected
+
+
+async def test_a_joiner_asking_for_a_different_world_size_is_refused_naming_both_sizes():
+    async with dsml.open_registry() as registry:
+        first = asyncio.ensure_future(dsml.init(registry.address, 2, config=FAST))
+        await eventually(lambda: joining(registry) == 1, "the first joiner is queued")
+        with pytest.raises(ConfigError, match="refused") as refused:
+            await dsml.init(registry.address, 3, config=FAST)
+        assert "world_size=2" in str(refused.value)
+        assert "world_size=3" in str(refused.value)
+        # The refusal did not disturb the group being formed.
+        second = await dsml.init(registry.address, 2, config=FAST)
+        async with closing([await first, second]) as comms:
+            assert sorted(c.rank for c in comms) == [0, 1]
+
+
+async def test_a_rank_already_asked_for_is_refused():
+    async with dsml.open_registry() as registry:
+        first = asyncio.ensure_future(dsml.init(registry.address, 2, rank=1, config=FAST))
+        await eventually(lambda: joining(registry) == 1, "the first joiner is queued")
+        with pytest.raises(ConfigError, match="rank 1 was already taken"):
+            await dsml.init(registry.address, 2, rank=1, config=FAST)
+        second = await dsml.init(registry.address, 2, config=FAST)
+        async with closing([await first, second]) as comms:
+            assert [c.rank for c in comms] == [1, 0]
+
+
+async def test_a_joiner_after_the_group_formed_is_refused_with_a_clear_error():
+    async with dsml.open_registry() as registry, dsml.init(registry.address, 1) as comm:
+        assert comm.rank == 0
+        with pytest.raises(ConfigError) as refused:
+            await dsml.init(registry.address, 1, config=FAST)
+        message = str(refused.value)
+        assert registry.address in message
+        assert "a group of 1 is running at epoch 1" in message
+        assert "wait until it ends or use another registry" in message
+        assert registry.view is not None
+        assert registry.view.size == 1
+
+
+async def test_after_every_member_left_the_registry_forms_a_new_group_at_a_higher_epoch():
+    async with dsml.open_registry() as registry:
+        epochs = []
+        for _ in range(3):
+            async with closing(await join_one_by_one(registry, [None, None])) as comms:
+                epochs.append({c.epoch for c in comms})
+                assert registry.status()["formed"]
+            await eventually(lambda: registry.view is None, "every member left")
+            assert not registry.status()["formed"]
+        assert epochs == [{1}, {2}, {3}]
+
+
+async def test_a_group_stays_formed_until_its_last_member_leaves():
+    async with (
+        dsml.open_registry() as registry,
+        closing(await join_one_by_one(registry, [None, None])) as comms,
+    ):
+        await comms[0].aclose()
+        await eventually(lambda: registry.status()["left"] != [], "rank 0 left")
+        assert registry.status()["left"] == [comms[0].view.members[0].id]
+        assert registry.view is not None
+        with pytest.raises(ConfigError, match="is running"):
+            await dsml.init(registry.address, 2, config=FAST)
+        await comms[1].aclose()
+        await eventually(lambda: registry.view is None, "every member left")
+
+
+async def test_query_status_and_registry_status_describe_the_members():
+    async with dsml.open_registry() as registry:
+        empty = await query_status(registry.address)
+        assert empty["formed"] is False
+        assert empty["members"] == []
+        assert empty["world_size"] == 0
+        async with closing(await join_one_by_one(registry, [None, None])) as comms:
+            for status in (await query_status(registry.address), registry.status()):
+                assert status["formed"] is True
+                assert status["epoch"] == 1
+                assert status["world_size"] == 2
+                assert status["joining"] == []
+                ids = [m.id for m in comms[0].view.members]
+                assert [m["id"] for m in status["members"]] == ids
+                assert [m["address"] for m in status["members"]] == [c.address for c in comms]
+                assert all(m["pid"] > 0 for m in status["members"])
+            assert "epoch=1 size=2" in repr(registry)
+
+
+async def test_the_status_of_a_forming_group_lists_who_has_joined():
+    async with dsml.open_registry() as registry:
+        first = asyncio.ensure_future(dsml.init(registry.address, 2, name="first", config=FAST))
+        await eventually(lambda: joining(registry) == 1, "the first joiner is queued")
+        status = await query_status(registry.address)
+        assert status["formed"] is False
+        assert status["world_size"] == 2
+        assert [m["name"] for m in status["joining"]] == ["first"]
+        second = await dsml.init(registry.address, 2, config=FAST)
+        async with closing([await first, second]):
+            assert registry.status()["joining"] == []
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+async def test_init_without_a_registry_raises_registry_unavailable_after_the_timeout():
+    address = free_tcp_address()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(RegistryUnavailableError) as unavailable:
+        await dsml.init(address, 2, config=CommConfig(registry_timeout=0.5))
+    elapsed = loop.time() - started
+    assert 0.5 <= elapsed < 3
+    assert unavailable.value.address == address
+    assert address in str(unavailable.value)
+    assert "0.5 s" in str(unavailable.value)
+    assert isinstance(unavailable.value, ConnectionError)
+
+
+async def test_query_status_without_a_registry_raises_registry_unavailable():
+    with pytest.raises(RegistryUnavailableError):
+        await query_status(free_tcp_address(), registry_timeout=0.3)
+
+
+@pytest.mark.parametrize("address", ["localhost:5555", "tcp://localhost", "udp://1.2.3.4:5"])
+async def test_a_registry_address_that_is_not_an_address_raises_config_error(address):
+    with pytest.raises(ConfigError, match="registry address"):
+        dsml.init(address, 2)
+
+
+async def test_bad_join_arguments_raise_config_error_before_anything_is_sent():
+    address = free_tcp_address()
+    with pytest.raises(ConfigError, match="world_size"):
+        dsml.init(address, 0)
+    with pytest.raises(ConfigError, match="rank=2 is out of range for world_size=2"):
+        dsml.init(address, 2, rank=2)
+
+
+async def test_a_registry_that_cannot_bind_raises_config_error():
+    async with dsml.open_registry() as first:
+        with pytest.raises(ConfigError, match="cannot bind"):
+            await dsml.open_registry(config=RegistryConfig(address=first.address))
+
+
+async def test_the_group_not_forming_in_time_raises_join_timeout_saying_how_many_joined():
+    async with dsml.open_registry() as registry:
+        config = CommConfig(join_timeout=0.5, registry_timeout=2)
+        with pytest.raises(JoinTimeoutError) as timed_out:
+            await dsml.init(registry.address, 2, config=config)
+        message = str(timed_out.value)
+        assert "within 0.5 s" in message
+        assert "1 of 2 members joined" in message
+        assert registry.address in message
+        assert isinstance(timed_out.value, TimeoutError)
+        # The worker that gave up left the queue: a new group of 2 can still form.
+        await eventually(lambda: joining(registry) == 0, "the worker that gave up left")
+        async with closing(await join_one_by_one(registry, [None, None])) as comms:
+            assert [c.rank for c in comms] == [0, 1]
