@@ -92,11 +92,13 @@ class Communicator:
         return "cpu"
 
     def statistics(self) -> dict[str, int]:
-        """Counters of the data plane: dropped, stale and late messages, calls in flight."""
+        """Counters of the data plane: messages dropped as malformed, of an older epoch
+        (stale), for a finished call (late), held for a view not seen yet; calls in flight."""
         return {
             "dropped": self._mesh.dropped,
             "stale": self._mesh.counters["stale"],
             "late": self._mesh.counters["late"],
+            "held": self._mesh.counters["held"],
             "in_flight": len(self._mesh.calls),
             "next_cid": self._mesh.next_cid,
         }

@@ -30,7 +30,8 @@ __all__ = ["PEER_LEFT", "Mesh"]
 
 log = logging.getLogger("dsml.communicator")
 
-_MAX_HELD = 10_000  # messages of a view not seen yet
+_MAX_HELD = 10_000  # messages of a view not seen yet ...
+_MAX_HELD_BYTES = 256 << 20  # ... and their payload bytes
 _MAX_AHEAD = 1 << 20  # how far past our newest call a peer's collective id may be
 _LANES = {Kind.CHUNK: Lane.DATA, Kind.CONFIRM: Lane.CONFIRM}
 
@@ -60,6 +61,7 @@ class Mesh:
         self._ranks: dict[bytes, int] = {}
         self._aborts: dict[int, Envelope] = {}
         self._held: list[tuple[bytes, Envelope, list[memoryview]]] = []
+        self._held_bytes = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._handlers: dict[Kind, Callable[[int, Envelope, list[memoryview]], None]] = {
             Kind.CHUNK: self.handle_chunk,
@@ -100,7 +102,7 @@ class Mesh:
                     copy_threshold=self.config.zero_copy_min_bytes,
                     max_frame_bytes=self.config.max_frame_bytes,
                 )
-        held, self._held = self._held, []
+        held, self._held, self._held_bytes = self._held, [], 0
         for sender, env, payload in held:
             self._dispatch(sender, env, payload)
 
@@ -221,9 +223,12 @@ class Mesh:
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
         if self.view is None or env.epoch > self.epoch:
-            if len(self._held) >= _MAX_HELD:
+            size = sum(p.nbytes for p in payload)
+            if len(self._held) >= _MAX_HELD or self._held_bytes + size > _MAX_HELD_BYTES:
                 raise ProtocolError("too many messages for a view this rank has not seen")
             self._held.append((sender, env, payload))
+            self._held_bytes += size
+            self.counters["held"] += 1
             return
         if env.epoch < self.epoch:
             self.counters["stale"] += 1
