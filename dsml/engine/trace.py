@@ -1,0 +1,122 @@
+"""Op timelines in the Chrome trace-event format, for ui.perfetto.dev (engine layer).
+
+With `Engine(trace=True)` every op leaves one `Span` per place it ran: a plain function
+leaves a "pool" span on its worker thread, a coroutine a "loop" span, and a plain
+function that returned an awaitable both (the function on its thread, then the await on
+the loop). Times come from `time.perf_counter()`, the same clock in every thread.
+
+`write()` turns spans into complete events (`"ph": "X"`, `ts`/`dur` in microseconds
+since the engine was created). Each pool thread is one track. Loop spans overlap one
+another (many collectives can be in flight at once) and a track must hold properly nested
+slices, so loop spans are packed into as few "loop" lanes as possible (interval
+partitioning by start time). Open the file at https://ui.perfetto.dev ("Open trace
+file") or chrome://tracing to see compute and communication overlap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import time
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+__all__ = ["Span", "TraceRecorder"]
+
+_PID = 1
+_POOL_TID_BASE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where and when one op (or one phase of it) ran; times are perf_counter seconds."""
+
+    name: str
+    seq: int
+    place: str  # "pool" or "loop"
+    thread: int  # the worker thread's ident for "pool", 0 for "loop"
+    start: float
+    end: float
+    pushed: float
+    outcome: str
+    reads: tuple[str, ...]
+    mutates: tuple[str, ...]
+
+
+class TraceRecorder:
+    """Collects spans in memory (one small object per op phase) until written."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self.spans: list[Span] = []
+
+    def add(self, span: Span) -> None:
+        """Record one span."""
+        self.spans.append(span)
+
+    def chrome_trace(self, process_name: str) -> dict[str, Any]:
+        """Return the whole trace as a JSON-able dict."""
+        events = [_meta("process_name", 0, {"name": process_name})]
+        events += self._pool_events() + self._loop_events()
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, path: str | PathLike[str], process_name: str) -> None:
+        """Write the trace to `path` as JSON."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.chrome_trace(process_name), file)
+
+    def _pool_events(self) -> list[dict[str, Any]]:
+        tids: dict[int, int] = {}
+        events: list[dict[str, Any]] = []
+        for span in self.spans:
+            if span.place != "pool":
+                continue
+            if span.thread not in tids:
+                tid = tids[span.thread] = _POOL_TID_BASE + len(tids)
+                events.append(_meta("thread_name", tid, {"name": f"pool thread {len(tids)}"}))
+                events.append(_meta("thread_sort_index", tid, {"sort_index": tid}))
+            events.append(self._event(span, tids[span.thread]))
+        return events
+
+    def _loop_events(self) -> list[dict[str, Any]]:
+        spans = sorted((s for s in self.spans if s.place == "loop"), key=lambda s: s.start)
+        free: list[tuple[float, int]] = []  # (end of the lane's last span, lane)
+        lanes = 0
+        events: list[dict[str, Any]] = []
+        for span in spans:
+            if free and free[0][0] <= span.start:
+                _, lane = heapq.heappop(free)
+            else:
+                lanes += 1
+                lane = lanes
+                events.append(_meta("thread_name", lane, {"name": f"event loop, lane {lane}"}))
+                events.append(_meta("thread_sort_index", lane, {"sort_index": lane}))
+            heapq.heappush(free, (span.end, lane))
+            events.append(self._event(span, lane))
+        return events
+
+    def _event(self, span: Span, tid: int) -> dict[str, Any]:
+        return {
+            "name": span.name,
+            "cat": span.place,
+            "ph": "X",
+            "ts": (span.start - self.origin) * 1e6,
+            "dur": max(0.0, span.end - span.start) * 1e6,
+            "pid": _PID,
+            "tid": tid,
+            "args": {
+                "seq": span.seq,
+                "outcome": span.outcome,
+                "read": list(span.reads),
+                "mutate": list(span.mutates),
+                "queued_us": max(0.0, span.start - span.pushed) * 1e6,
+            },
+        }
+
+    def __repr__(self) -> str:
+        return f"<TraceRecorder spans={len(self.spans)}>"
+
+
+def _meta(name: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "ph": "M", "pid": _PID, "tid": tid, "args": args}

@@ -1,0 +1,103 @@
+"""Where each kind of `fn` runs: pool thread, event loop, or both."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Generator
+from typing import Any
+
+from dsml.engine import Engine
+from tests.engine.helpers import thread_until, until
+
+
+async def test_a_plain_function_runs_in_a_pool_thread_not_the_loop_thread(engine: Engine) -> None:
+    op = engine.push(threading.current_thread)
+    thread = await op
+    assert thread is not threading.current_thread()
+    assert thread.name.startswith("dsml-test-engine")
+
+
+async def test_a_plain_function_does_not_block_the_event_loop(engine: Engine) -> None:
+    release = threading.Event()
+    blocked = engine.push(lambda: thread_until(release))
+    # The loop is free while the function blocks: it can run this coroutine op meanwhile.
+    flag = await engine.push(lambda: asyncio.sleep(0, result="loop ran"))
+    release.set()
+    assert (flag, await blocked) == ("loop ran", True)
+
+
+async def test_a_coroutine_function_runs_on_the_loop_thread(engine: Engine) -> None:
+    async def where() -> threading.Thread:
+        return threading.current_thread()
+
+    assert await engine.push(where) is threading.current_thread()
+
+
+async def test_a_partial_of_a_coroutine_function_runs_on_the_loop_thread(engine: Engine) -> None:
+    async def where(tag: str) -> tuple[str, threading.Thread]:
+        return tag, threading.current_thread()
+
+    assert await engine.push(functools.partial(where, "p")) == ("p", threading.current_thread())
+
+
+async def test_an_object_with_async_call_runs_on_the_loop_thread(engine: Engine) -> None:
+    class Where:
+        async def __call__(self) -> threading.Thread:
+            return threading.current_thread()
+
+    assert await engine.push(Where()) is threading.current_thread()
+
+
+async def test_a_coroutine_returned_by_a_plain_function_is_awaited_on_the_loop(
+    engine: Engine,
+) -> None:
+    loop_thread = threading.current_thread()
+
+    def start() -> Any:
+        called_in = threading.current_thread()
+
+        async def finish() -> tuple[bool, bool]:
+            return called_in is not loop_thread, threading.current_thread() is loop_thread
+
+        return finish()
+
+    assert await engine.push(start) == (True, True)
+
+
+async def test_an_op_returning_a_future_finishes_when_the_future_does() -> None:
+    async with Engine(max_workers=1) as engine:  # one thread: completions come back in order
+        a = engine.new_var("a")
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        op = engine.push(lambda: future, mutate=[a])
+        after = engine.push(lambda: "after", read=[a])
+        await engine.push(lambda: None)  # `op`'s function has returned the future by now
+        assert op.status == "running"
+        assert after.status == "pending"
+        future.set_result("collective done")
+        assert (await op, await after) == ("collective done", "after")
+
+
+async def test_any_object_with_await_is_awaited(engine: Engine) -> None:
+    class Handle:
+        def __await__(self) -> Generator[Any, None, str]:
+            yield from asyncio.sleep(0).__await__()
+            return "awaited"
+
+    assert await engine.push(Handle) == "awaited"
+
+
+async def test_the_result_is_available_from_the_handle(engine: Engine) -> None:
+    gate = asyncio.Event()
+
+    async def compute() -> int:
+        await until(gate)
+        return 42
+
+    op = engine.push(compute, name="answer")
+    assert op.name == "answer"
+    assert not op.done()
+    gate.set()
+    assert await op == 42
+    assert (op.done(), op.result(), op.exception()) == (True, 42, None)
