@@ -13,6 +13,7 @@ from ._version import __version__
 from .collectives.ops import ReduceOp
 from .communicator import CollectiveHandle, Communicator, init
 from .config import CommConfig, RegistryConfig
+from .engine import Engine, OpHandle, SerialEngine, Tagged, Var
 from .errors import (
     CollectiveAbortedError,
     CollectiveError,
@@ -40,14 +41,19 @@ __all__ = [
     "ConfigError",
     "DependencyFailedError",
     "DsmlError",
+    "Engine",
     "JoinTimeoutError",
     "MembershipChangedError",
+    "OpHandle",
     "PeerLostError",
     "ProtocolError",
     "ReduceOp",
     "Registry",
     "RegistryConfig",
     "RegistryUnavailableError",
+    "SerialEngine",
+    "Tagged",
+    "Var",
     "__version__",
     "init",
     "open_registry",

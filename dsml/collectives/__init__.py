@@ -7,6 +7,7 @@ nothing about sockets, epochs or registries.
 
 from .all_gather import all_gather_direct
 from .all_reduce_direct import all_reduce_direct
+from .all_reduce_mesh import all_reduce_mesh
 from .all_reduce_naive import all_reduce_naive
 from .all_reduce_ring import all_reduce_ring
 from .all_reduce_tree import all_reduce_tree
@@ -27,6 +28,7 @@ ALL_REDUCE = {
     "tree": all_reduce_tree,
     "naive": all_reduce_naive,
     "direct": all_reduce_direct,
+    "mesh": all_reduce_mesh,
 }
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "ReduceOp",
     "all_gather_direct",
     "all_reduce_direct",
+    "all_reduce_mesh",
     "all_reduce_naive",
     "all_reduce_ring",
     "all_reduce_tree",

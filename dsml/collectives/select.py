@@ -12,7 +12,7 @@ from ..errors import ConfigError
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "check_algorithm", "choose_all_reduce"]
 
-ALL_REDUCE_ALGORITHMS = ("ring", "tree", "naive", "direct")
+ALL_REDUCE_ALGORITHMS = ("ring", "tree", "naive", "direct", "mesh")
 
 #: Largest array (bytes) for which recursive doubling beats the ring.
 TREE_MAX_BYTES = 256 * 1024

@@ -1,37 +1,28 @@
-"""The user-facing communicator: collectives and point-to-point (communicator layer).
+"""The user-facing communicator: collectives, point-to-point, its engine (communicator).
 
 Each method validates its arguments on this rank, takes the next collective id (program
-order is collective order), and starts the operation at once as a task; it returns a
-`CollectiveHandle` to await. The runner gives every call its timeout, turns a peer's abort
-into this rank's error, aborts the peers when this rank fails or is cancelled, and asks
-the peers where they are before reporting a timeout.
+order is collective order), and starts the operation at once (see `runner.py`); it returns
+a `CollectiveHandle` to await. `comm.engine` and `comm.var` connect the dependency engine:
+collectives pushed with `comm.var` among their mutated vars are issued in push order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
 from ..config import CommConfig
-from ..errors import (
-    CollectiveError,
-    CollectiveTimeoutError,
-    ConfigError,
-    DsmlError,
-    ProtocolError,
-)
+from ..engine import Engine, OpHandle, Tagged, Var
 from ..membership import RegistryClient, View
 from ..wire import Fingerprint
 from .call import Call
-from .diagnose import timeout_message
 from .handle import CollectiveHandle
 from .mesh import Mesh
 from .p2p import PointToPoint
-from .plans import Plan, Planner, loose_fingerprint
+from .plans import Planner, loose_fingerprint
+from .runner import Runner
 
 __all__ = ["Communicator"]
 
@@ -52,10 +43,11 @@ class Communicator:
         self.config = config
         self._mesh = mesh
         self._registry = registry
-        self._loop = loop
+        self._runner = Runner(mesh, config, loop)
         self._planner = Planner()
         self._p2p = PointToPoint(mesh)
-        self._closed = False
+        self._engine: Engine | None = None
+        self._var: Var | None = None
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -109,7 +101,7 @@ class Communicator:
         self, x: Array, op: Any = "sum", *, algorithm: str = "auto", timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Reduce x over all ranks, in place on every rank; the handle gives x."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.all_reduce(x, op, algorithm, self.world_size),
             lambda: loose_fingerprint("all_reduce", x, op),
             timeout,
@@ -119,7 +111,7 @@ class Communicator:
         self, x: Array, root: int = 0, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.reduce(x, root, op, self.rank, self.world_size),
             lambda: loose_fingerprint("reduce", x, op, root),
             timeout,
@@ -129,7 +121,7 @@ class Communicator:
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.broadcast(x, root, self.rank, self.world_size),
             lambda: loose_fingerprint("broadcast", x, None, root),
             timeout,
@@ -137,7 +129,7 @@ class Communicator:
 
     def all_gather(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Every rank's x concatenated along axis 0 in rank order (a new array)."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.all_gather(x),
             lambda: loose_fingerprint("all_gather", x),
             timeout,
@@ -147,7 +139,7 @@ class Communicator:
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Like all_gather, but only root gets the result; others get None."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.gather(x, root, self.world_size),
             lambda: loose_fingerprint("gather", x, None, root),
             timeout,
@@ -157,7 +149,7 @@ class Communicator:
         self, x: Array | None = None, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.scatter(x, root, self.rank, self.world_size),
             lambda: loose_fingerprint("scatter", x, None, root),
             timeout,
@@ -167,7 +159,7 @@ class Communicator:
         self, x: Array, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives the reduction of numpy.array_split(x, world_size)[r]."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.reduce_scatter(x, op),
             lambda: loose_fingerprint("reduce_scatter", x, op),
             timeout,
@@ -176,7 +168,7 @@ class Communicator:
     def all_to_all(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
         concatenated in rank order."""
-        return self._start(
+        return self._runner.collective(
             lambda: self._planner.all_to_all(x),
             lambda: loose_fingerprint("all_to_all", x),
             timeout,
@@ -184,7 +176,9 @@ class Communicator:
 
     def barrier(self, *, timeout: float | None = None) -> CollectiveHandle[None]:
         """Return once every rank has entered the barrier."""
-        return self._start(self._planner.barrier, lambda: Fingerprint("barrier"), timeout)
+        return self._runner.collective(
+            self._planner.barrier, lambda: Fingerprint("barrier"), timeout
+        )
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -197,14 +191,13 @@ class Communicator:
         """
 
         def start() -> CollectiveHandle[None]:
-            budget = self._budget(timeout)
+            budget = self._runner.budget(timeout)
             _fp, send = self._p2p.plan_send(x, dst, tag)
             what = f"send to rank {dst} (tag {tag})"
             hint = f"is rank {dst} alive and connected?"
-            task = self._loop.create_task(self._run_p2p(send, budget, what, hint, [dst]))
-            return CollectiveHandle(task, "send", 0)
+            return CollectiveHandle(self._runner.p2p(send, budget, what, hint, dst), "send", 0)
 
-        return self._on_loop(start)
+        return self._runner.on_loop(start)
 
     def recv(
         self, src: int, *, tag: int = 0, timeout: float | None = None
@@ -212,7 +205,7 @@ class Communicator:
         """Receive the next array rank src sent with this tag (a new array)."""
 
         def start() -> CollectiveHandle[Array]:
-            budget = self._budget(timeout)
+            budget = self._runner.budget(timeout)
             peer, tag_ = self._p2p.plan_recv(src, tag)
             call = Call(self._mesh, 0, Fingerprint("recv", root=tag_), budget, peer=peer)
             what = f"recv from rank {peer} (tag {tag_})"
@@ -223,155 +216,50 @@ class Communicator:
             def receive() -> Awaitable[Array]:
                 return self._p2p.receive(peer, tag_)
 
-            task = self._loop.create_task(self._run_p2p(receive, budget, what, hint, [peer], call))
-            call.task = task
-            self._mesh.receives.add(call)
-            task.add_done_callback(lambda _t: self._mesh.receives.discard(call))
+            task = self._runner.p2p(receive, budget, what, hint, peer, call)
             return CollectiveHandle(task, "recv", 0)
 
-        return self._on_loop(start)
+        return self._runner.on_loop(start)
 
-    async def _run_p2p(
-        self,
-        make: Callable[[], Awaitable[T]],
-        budget: float,
-        what: str,
-        hint: str,
-        peers: list[int],
-        call: Call | None = None,
-    ) -> T:
-        try:
-            if call is not None:
-                call.running = True
-                if call.failure is not None:
-                    raise call.failure
-            async with asyncio.timeout(budget):
-                return await make()
-        except asyncio.CancelledError:
-            if call is None or call.failure is None:
-                raise
-            self._uncancel()
-            raise call.failure from None
-        except TimeoutError as exc:
-            if isinstance(exc, DsmlError):
-                raise
-            raise CollectiveTimeoutError(
-                f"{what} timed out after {budget:g} s on rank {self.rank}: {hint}",
-                missing=peers,
-                rank=self.rank,
-                epoch=self.epoch,
-            ) from None
+    # -- the dependency engine --------------------------------------------------------------
 
-    # -- running calls ----------------------------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        """This rank's dependency engine (created on first use, closed with the communicator)."""
+        if self._engine is None:
+            self._engine = Engine(name=f"rank {self.rank}")
+        return self._engine
 
-    def _budget(self, timeout: float | None) -> float:
-        budget = self.config.timeout if timeout is None else timeout
-        if not isinstance(budget, int | float) or not math.isfinite(budget) or budget <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return float(budget)
+    @property
+    def var(self) -> Var:
+        """The var that orders collectives in the engine: push them with it in `mutate`."""
+        if self._var is None:
+            self._var = self.engine.new_var("comm")
+        return self._var
 
-    def _on_loop(self, start: Callable[[], CollectiveHandle[T]]) -> CollectiveHandle[T]:
-        """Run start() on this communicator's loop, also when called from another thread."""
-        if self._closed:
-            raise ConfigError("this communicator is closed")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            return start()
-        if running is not None:
-            raise ConfigError("this communicator belongs to another event loop")
-        done: concurrent.futures.Future[CollectiveHandle[T]] = concurrent.futures.Future()
+    def push_all_reduce(
+        self, tagged: Tagged[Array], op: Any = "sum", *, read: Iterable[Var] = (), **options: Any
+    ) -> OpHandle[Array]:
+        """Push `all_reduce(tagged.data, op)` into the engine, mutating `tagged.var` and
+        `comm.var`: it runs once earlier writers of the data are done, in push order among
+        collectives on every rank. `options` are all_reduce's (algorithm, timeout)."""
 
-        def call() -> None:
-            try:
-                done.set_result(start())
-            except BaseException as exc:  # handed to the calling thread
-                done.set_exception(exc)
+        async def run() -> Array:
+            return await self.all_reduce(tagged.data, op, **options)
 
-        self._loop.call_soon_threadsafe(call)
-        return done.result()
+        name = f"all_reduce({tagged.var.name})"
+        return self.engine.push(run, read=read, mutate=[tagged.var, self.var], name=name)
 
-    def _start(
-        self,
-        plan: Callable[[], Plan],
-        loose: Callable[[], Fingerprint],
-        timeout: float | None,
-    ) -> CollectiveHandle[Any]:
-        def start() -> CollectiveHandle[Any]:
-            cid = self._mesh.next_cid
-            self._mesh.next_cid += 1
-            try:
-                budget = self._budget(timeout)
-                planned = plan()
-            except ConfigError as exc:
-                rejected = Call(self._mesh, cid, loose(), self.config.timeout)
-                reason = f"rank {self.rank} rejected its arguments: {exc}"
-                self._mesh.abort(rejected, "invalid", reason)
-                raise
-            call = Call(self._mesh, cid, planned.fingerprint, budget)
-            self._mesh.register(call)
-            task = self._loop.create_task(self._run(call, planned))
-            call.task = task
-            task.add_done_callback(lambda t: self._finished(call, t))
-            return CollectiveHandle(task, planned.fingerprint.collective, cid)
+    def push_broadcast(
+        self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
+    ) -> OpHandle[Array]:
+        """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
 
-        return self._on_loop(start)
+        async def run() -> Array:
+            return await self.broadcast(tagged.data, root, timeout=timeout)
 
-    async def _run(self, call: Call, plan: Plan) -> Any:
-        call.running = True
-        try:
-            error = call.failure or self._mesh.check_start(call)
-            if error is not None:
-                call.failure = error  # already known to the peers: no abort from here
-                raise error
-            async with asyncio.timeout(call.timeout):
-                return await plan.body(call)
-        except asyncio.CancelledError:
-            if call.failure is None:
-                raise  # cancelled by the caller; _finished aborts the peers
-            self._uncancel()
-            raise call.failure from None
-        except TimeoutError as exc:
-            if isinstance(exc, CollectiveError):
-                raise
-            raise await self._timed_out(call) from None
-        except (ProtocolError, CollectiveError) as exc:
-            if call.failure is None:
-                call.failure = exc
-                self._mesh.abort(call, "failed", f"rank {self.rank} failed: {exc}")
-            raise
-
-    async def _timed_out(self, call: Call) -> CollectiveTimeoutError:
-        call.running = False  # peers' probes and aborts must not cancel the diagnosis
-        progress = await self._mesh.probe(call)
-        message, missing = timeout_message(
-            call.cid, call.fingerprint, self.rank, call.timeout, progress
-        )
-        call.failure = CollectiveTimeoutError(
-            message,
-            missing=missing,
-            rank=self.rank,
-            epoch=call.epoch,
-            cid=call.cid,
-            collective=call.fingerprint.collective,
-        )
-        self._mesh.abort(call, "timeout", message, missing)
-        return call.failure
-
-    def _finished(self, call: Call, task: asyncio.Task[Any]) -> None:
-        self._mesh.finish(call)
-        if task.cancelled() and call.failure is None:
-            self._mesh.abort(call, "cancelled", f"rank {self.rank} cancelled the call")
-        elif not task.cancelled() and call.failure is None and task.exception() is not None:
-            self._mesh.abort(call, "failed", f"rank {self.rank} failed: {task.exception()!r}")
-
-    @staticmethod
-    def _uncancel() -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            task.uncancel()
+        name = f"broadcast({tagged.var.name})"
+        return self.engine.push(run, mutate=[tagged.var, self.var], name=name)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -381,15 +269,11 @@ class Communicator:
         `error` (set when `async with` exits by an exception) tells the peers why this rank
         left, so their pending and later calls fail naming it instead of waiting.
         """
-        if self._closed:
+        if self._runner.closed:
             return
-        calls = [c.task for c in self._mesh.calls.values() if c.task is not None]
-        calls += [r.task for r in self._mesh.receives if r.task is not None]
-        for task in calls:
-            task.cancel()
-        if calls:
-            await asyncio.wait(calls, timeout=2.0)
-        self._closed = True
+        if self._engine is not None:
+            await self._engine.aclose(cancel=error is not None)
+        await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
         await self._mesh.aclose(reason)
         try:
@@ -411,7 +295,7 @@ class Communicator:
     def __repr__(self) -> str:
         if self._mesh.view is None:
             return "<Communicator (not joined)>"
-        state = " closed" if self._closed else ""
+        state = " closed" if self._runner.closed else ""
         return (
             f"<Communicator rank={self.rank}/{self.world_size} epoch={self.epoch} "
             f"address={self.address} in_flight={len(self._mesh.calls)}{state}>"

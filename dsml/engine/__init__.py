@@ -11,6 +11,7 @@ vars it reads and those it mutates, and the engine runs it as soon as that is sa
 Modules, by role:
 
 * `var` — `Var`, the tag (and the threaded engine's per-var scheduling state);
+* `tagged` — `Tagged`, the lecture's `A.data` / `A.var` pair;
 * `handle` — `OpHandle`, the op record and its awaitable face;
 * `graph` — wiring ops into the dependency graph, releasing them, poison rules;
 * `engine` — `Engine`: runs ops on the loop or the thread pool, waits, cancels, closes;
@@ -27,6 +28,7 @@ from __future__ import annotations
 from .engine import Engine
 from .handle import OpHandle
 from .serial import SerialEngine
+from .tagged import Tagged
 from .var import Var
 
-__all__ = ["Engine", "OpHandle", "SerialEngine", "Var"]
+__all__ = ["Engine", "OpHandle", "SerialEngine", "Tagged", "Var"]

@@ -15,12 +15,15 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from ..errors import ConfigError
 from .handle import OpHandle, Poison, Status
 from .spec import check_callable, is_coroutine_fn, op_name, split_vars
+from .tagged import Tagged
 from .var import Var
+
+T = TypeVar("T")
 
 __all__ = ["EngineBase"]
 
@@ -49,6 +52,10 @@ class EngineBase(ABC):
         """Create a var (a tag for one piece of data) owned by this engine."""
         self._var_count += 1
         return Var(str(name), self)
+
+    def tag(self, name: str, data: T) -> Tagged[T]:
+        """Tag `data` with a new var: `t.data` is the data, `t.var` its var."""
+        return Tagged(data, self.new_var(name))
 
     def statistics(self) -> dict[str, int]:
         """Return op counts: pushed, pending, running, done (succeeded), failed, cancelled."""

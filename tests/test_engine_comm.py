@@ -1,0 +1,139 @@
+"""Collectives pushed through each rank's dependency engine (comm.engine, comm.var)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from dsml import CollectiveMismatchError, CommConfig, DependencyFailedError
+from dsml.testing import open_local_cluster
+
+LAYERS = 5
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_collectives_match_by_push_order_even_when_inputs_are_ready_in_other_orders(
+    world_size, seed
+):
+    """Each rank finishes its gradients in a different order; the collectives still pair up
+    (mixed kinds, so a wrong pairing would be a mismatch, not a silent wrong sum)."""
+    async with open_local_cluster(world_size, config=CommConfig(timeout=30)) as cluster:
+
+        async def step(comm):
+            engine = comm.engine
+            order = list(range(LAYERS))
+            random.Random(seed + comm.rank).shuffle(order)
+            ready = {layer: asyncio.Event() for layer in range(LAYERS)}
+            grads = [engine.tag(f"g{i}", np.zeros(10 * (i + 1))) for i in range(LAYERS)]
+
+            def compute(i):
+                async def fn():
+                    await ready[i].wait()
+                    grads[i].data[:] = comm.rank + i
+
+                return fn
+
+            for i in range(LAYERS):  # pushed in layer order ...
+                engine.push(compute(i), mutate=[grads[i].var], name=f"grad{i}")
+                if i % 2:
+                    comm.push_all_reduce(grads[i])
+                else:
+                    comm.push_broadcast(grads[i], root=i % world_size)
+            for i in order:  # ... but ready in a rank-specific order
+                ready[i].set()
+                await asyncio.sleep(0)
+            await engine.wait_all()
+            return [g.data for g in grads]
+
+        results = await cluster.run(step)
+        for i in range(LAYERS):
+            if i % 2:
+                expected = sum(r + i for r in range(world_size))
+            else:
+                expected = i % world_size + i
+            for rank in range(world_size):
+                assert (results[rank][i] == expected).all(), (rank, i)
+
+
+async def test_the_lecture_program_runs_with_compute_overlapping_the_all_reduce():
+    async with open_local_cluster(3) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            a, b, c = (engine.tag(n, np.zeros(4)) for n in "ABC")
+            in_flight = threading.Event()
+            overlapped = []
+
+            def set_a():
+                a.data[:] = 2
+
+            async def slow_all_reduce():
+                in_flight.set()  # the collective has started; C may run meanwhile
+                await asyncio.sleep(0.05)
+                return await comm.all_reduce(b.data)
+
+            def c_is_a_plus_1():
+                overlapped.append(in_flight.wait(timeout=5))
+                c.data[:] = a.data + 1
+
+            engine.push(set_a, mutate=[a.var])
+            engine.push(
+                lambda: b.data.__setitem__(slice(None), a.data), read=[a.var], mutate=[b.var]
+            )
+            engine.push(slow_all_reduce, mutate=[b.var, comm.var])
+            engine.push(c_is_a_plus_1, read=[a.var], mutate=[c.var])
+            await engine.wait_all()
+            return b.data.copy(), c.data.copy(), overlapped
+
+        for b, c, overlapped in await cluster.run(program):
+            assert (b == 6).all()
+            assert (c == 3).all()
+            assert overlapped == [True]  # C ran while the all_reduce was in flight
+
+
+async def test_a_plain_function_returning_a_collective_handle_is_awaited_on_the_loop():
+    async with open_local_cluster(2) as cluster:
+
+        async def program(comm):
+            g = comm.engine.tag("g", np.full(8, comm.rank + 1.0))
+            comm.engine.push(lambda: comm.all_reduce(g.data), mutate=[g.var, comm.var])
+            await comm.engine.wait_var(g.var)
+            return g.data
+
+        for result in await cluster.run(program):
+            assert (result == 3.0).all()
+
+
+async def test_a_failed_collective_poisons_its_vars_until_cleared():
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            g = engine.tag("g", np.ones(4 + comm.rank))  # shapes differ: a mismatch
+            comm.push_all_reduce(g)
+            later = engine.push(lambda: None, read=[g.var], name="uses g")
+            with pytest.raises(DependencyFailedError) as failed:
+                await later
+            assert isinstance(failed.value.__cause__, CollectiveMismatchError)
+            with pytest.raises(DependencyFailedError):
+                await engine.wait_var(comm.var)
+            engine.clear_error(g.var)
+            engine.clear_error(comm.var)
+            ok = engine.tag("ok", np.ones(3))
+            await comm.push_all_reduce(ok)
+            return ok.data
+
+        for result in await cluster.run(program):
+            assert (result == 2).all()
+
+
+async def test_closing_the_communicator_closes_its_engine():
+    async with open_local_cluster(2) as cluster:
+        engines = [c.engine for c in cluster]
+        assert all(c.var is c.var for c in cluster)  # one ordering var per communicator
+    for engine in engines:
+        assert engine.closed
