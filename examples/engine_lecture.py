@@ -42,7 +42,8 @@ async def main() -> None:
         await engine.wait_all()
 
         expected_b = 2 * sum(r + 1 for r in range(comm.world_size))
-        assert (B.data == expected_b).all() and (D.data == A.data * expected_b).all()
+        assert (B.data == expected_b).all()
+        assert (D.data == A.data * expected_b).all()
         print(
             f"rank {comm.rank}: A={A.data[0]:g} B=allreduce(A)={B.data[0]:g} "
             f"C=A+1={C.data[0]:g} D=A*B={D.data[0]:g}   {engine!r}"

@@ -51,10 +51,7 @@ async def test_collectives_match_by_push_order_even_when_inputs_are_ready_in_oth
 
         results = await cluster.run(step)
         for i in range(LAYERS):
-            if i % 2:
-                expected = sum(r + i for r in range(world_size))
-            else:
-                expected = i % world_size + i
+            expected = sum(r + i for r in range(world_size)) if i % 2 else i % world_size + i
             for rank in range(world_size):
                 assert (results[rank][i] == expected).all(), (rank, i)
 
