@@ -28,7 +28,7 @@ def counts(world_size: int) -> list[int]:
 async def test_all_reduce_matches_numpy_and_is_identical_on_every_rank(world_size, name, seed):
     async with open_local_cluster(world_size, config=SMALL_CHUNKS) as cluster:
         for op in filter(lambda o: valid(o, name), OPS):
-            for algorithm in ("ring", "tree", "naive", "auto"):
+            for algorithm in ("ring", "tree", "naive", "direct", "mesh", "auto"):
                 for count in counts(world_size):
                     xs = inputs(name, op, count, world_size, seed + count)
                     expected = reduce_reference(op, xs)

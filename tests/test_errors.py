@@ -42,7 +42,7 @@ async def assert_still_usable(cluster):
     assert all((x == sum(range(len(cluster)))).all() for x in xs)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "naive"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "naive", "direct", "mesh"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 async def test_a_different_shape_fails_every_rank_with_a_mismatch_naming_both(
     world_size, algorithm

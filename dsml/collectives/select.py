@@ -1,9 +1,15 @@
 """Choosing an all-reduce algorithm by message size (collectives layer).
 
 `auto` must pick the same algorithm on every rank, so the choice depends only on the
-array's size in bytes and the group size, through a fixed table measured with `dsml bench`
-on loopback (2 cores, 2-4 ranks; see docs/operations.md for the figures): recursive
-doubling wins while latency dominates, the ring once bandwidth does.
+array's size in bytes and the group size, through a fixed table measured with
+`benchmarks/tune_auto.py` (loopback, 2 cores, 2-4 ranks; figures in docs/operations.md).
+
+On loopback a message costs far more than its bytes: each one wakes ZeroMQ's I/O threads
+on both sides. So the fewest messages win for small and medium arrays: recursive doubling
+(`tree`) up to 16 KiB, everyone-to-rank-0-and-back (`naive`, 2(P-1) messages) up to 1 MiB.
+Above that the work must be shared: the ring with 2 ranks, the two-hop full mesh with 3-4.
+For more ranks than measured, the table falls back to what scales: `tree` for small
+arrays, the `ring` for large ones.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ __all__ = ["ALL_REDUCE_ALGORITHMS", "check_algorithm", "choose_all_reduce"]
 
 ALL_REDUCE_ALGORITHMS = ("ring", "tree", "naive", "direct", "mesh")
 
-#: Largest array (bytes) for which recursive doubling beats the ring.
-TREE_MAX_BYTES = 256 * 1024
+SMALL_BYTES = 16 * 1024  # up to here: recursive doubling
+MEDIUM_BYTES = 1 << 20  # up to here: naive, when P is small enough for rank 0 to keep up
+MEASURED_RANKS = 4  # the table was measured up to this many ranks
 
 
 def check_algorithm(name: object) -> str:
@@ -28,6 +35,10 @@ def check_algorithm(name: object) -> str:
 
 def choose_all_reduce(nbytes: int, world_size: int) -> str:
     """The algorithm `auto` stands for at this size (identical on every rank)."""
-    if nbytes <= TREE_MAX_BYTES:
+    if nbytes <= SMALL_BYTES or world_size <= 1:
         return "tree"
-    return "ring"
+    if world_size > MEASURED_RANKS:
+        return "tree" if nbytes <= MEDIUM_BYTES else "ring"
+    if nbytes <= MEDIUM_BYTES:
+        return "naive"
+    return "ring" if world_size == 2 else "mesh"

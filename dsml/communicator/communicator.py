@@ -9,7 +9,7 @@ collectives pushed with `comm.var` among their mutated vars are issued in push o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -240,26 +240,51 @@ class Communicator:
     def push_all_reduce(
         self, tagged: Tagged[Array], op: Any = "sum", *, read: Iterable[Var] = (), **options: Any
     ) -> OpHandle[Array]:
-        """Push `all_reduce(tagged.data, op)` into the engine, mutating `tagged.var` and
-        `comm.var`: it runs once earlier writers of the data are done, in push order among
-        collectives on every rank. `options` are all_reduce's (algorithm, timeout)."""
+        """Push `all_reduce(tagged.data, op)` into the engine; returns the op's handle.
 
-        async def run() -> Array:
-            return await self.all_reduce(tagged.data, op, **options)
-
-        name = f"all_reduce({tagged.var.name})"
-        return self.engine.push(run, read=read, mutate=[tagged.var, self.var], name=name)
+        Two ops are pushed. The first waits for earlier writers of `tagged.var` (and for
+        `read`) and for the previous collective to be *issued* (it mutates `comm.var`), then
+        starts the all_reduce; the second waits for it to finish and mutates `tagged.var`,
+        so later readers of the data see the result. Collectives are thus issued in push
+        order on every rank yet several can be in flight. A failed all_reduce poisons
+        `tagged.var` (not `comm.var`). `options` are all_reduce's (algorithm, timeout).
+        """
+        return self._push_collective(
+            tagged,
+            read,
+            f"all_reduce({tagged.var.name})",
+            lambda: self.all_reduce(tagged.data, op, **options),
+        )
 
     def push_broadcast(
         self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
     ) -> OpHandle[Array]:
         """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
+        return self._push_collective(
+            tagged,
+            (),
+            f"broadcast({tagged.var.name})",
+            lambda: self.broadcast(tagged.data, root, timeout=timeout),
+        )
 
-        async def run() -> Array:
-            return await self.broadcast(tagged.data, root, timeout=timeout)
+    def _push_collective(
+        self,
+        tagged: Tagged[Array],
+        read: Iterable[Var],
+        name: str,
+        start: Callable[[], CollectiveHandle[Array]],
+    ) -> OpHandle[Array]:
+        started: list[CollectiveHandle[Array]] = []
 
-        name = f"broadcast({tagged.var.name})"
-        return self.engine.push(run, mutate=[tagged.var, self.var], name=name)
+        async def issue() -> None:
+            started.append(start())
+
+        async def complete() -> Array:
+            return await started[0]
+
+        mutate = [tagged.var, self.var]
+        self.engine.push(issue, read=read, mutate=mutate, name=f"issue {name}")
+        return self.engine.push(complete, mutate=[tagged.var], name=name)
 
     # -- lifecycle --------------------------------------------------------------------------
 
