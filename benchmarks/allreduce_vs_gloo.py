@@ -72,16 +72,30 @@ def gloo_rows(n: int, sizes: list[int]) -> list[dict[str, Any]]:
     ]
 
 
+def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (bytes, algorithm), the row of the run with the median time."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        for row in run:
+            groups.setdefault((row["bytes"], row["algorithm"]), []).append(row)
+    return [sorted(rows, key=lambda r: r["median_s"])[len(rows) // 2] for rows in groups.values()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=4)
     parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     parser.add_argument("--algorithms", default="auto", help="dsml algorithms to include")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each side (median)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    ours = dsml_rows(args.n, args.sizes, args.algorithms)
-    sizes = sorted({r["bytes"] for r in ours})
-    theirs = {r["bytes"]: r for r in gloo_rows(args.n, sizes)}
+    runs_ours, runs_theirs = [], []
+    for _ in range(args.repeat):  # interleaved, so a noisy minute hurts both sides
+        runs_ours.append(dsml_rows(args.n, args.sizes, args.algorithms))
+        sizes = sorted({r["bytes"] for r in runs_ours[-1]})
+        runs_theirs.append(gloo_rows(args.n, sizes))
+    ours = median_rows(runs_ours)
+    theirs = {r["bytes"]: r for r in median_rows(runs_theirs)}
     if args.json:
         print(json.dumps({"dsml": ours, "gloo": list(theirs.values())}, indent=2))
         return

@@ -11,6 +11,9 @@ so every rank ends with bitwise-identical results.
 Nothing is written to `dst` until every message has arrived: the received all-gather
 frames are kept and copied into `dst` at the end, together with the rank's own segment.
 So a failure leaves `dst` (the caller's array) untouched, and no extra full copy is made.
+Partial sums travel in buffers of their own (see reduce_scatter.py): of `work`, only the
+own segment is written. Peak memory: the array, (P-1)/P of it in kept frames, 1/P in
+`work`, and the chunks in flight.
 
 Preconditions: `src`, `work` and `dst` flat, same length and dtype; `src` is only read and
 may be the same memory as `dst`; `work` is scratch.
@@ -45,8 +48,7 @@ async def all_reduce_ring(
         pending.append(await group.send(right, gather_step, c, be.payload(work, lo, hi)))
 
     # Phase 1: reduce-scatter; rank r ends owning segment r, already streaming onwards.
-    sent = await reduce_scatter_ring(group, be, src, work, op, spans, on_final)
-    pending += [r for seg, receipts in sent.items() if seg >= 0 for r in receipts]
+    from_src = await reduce_scatter_ring(group, be, src, work, op, spans, on_final)
 
     # Phase 2: all-gather; at step k segment r-k-1 arrives; pass it on (but the last).
     arrived: list[tuple[int, int, memoryview]] = []
@@ -59,12 +61,10 @@ async def all_reduce_ring(
                 await group.send(right, gather_step + k + 1, c, msg.payload)
 
     # Every message is in: only now write the result.
-    await wait_receipts(sent[-1])  # src may be dst
+    await wait_receipts(from_src)  # src may be dst
     if dst is not work:
         lo, hi = spans[rank]
         be.copy(dst, lo, hi, work)
-    else:
-        await wait_receipts(pending)  # work's partial sums may still be leaving
     for lo, hi, payload in arrived:
         be.write(dst, lo, hi, payload)
     return pending

@@ -86,6 +86,11 @@ class ArrayBackend:
         else:
             ufunc(mine, received, out=out[lo:hi])
 
+    def combine(self, op: ReduceOp, local: Array, lo: int, hi: int, data: memoryview) -> Array:
+        """A new flat array op(data, local[lo:hi]) (for partial results sent and dropped)."""
+        received = np.frombuffer(data, dtype=local.dtype)
+        return _UFUNCS[op](received, local[lo:hi])
+
     def write(self, out: Array, lo: int, hi: int, data: memoryview) -> None:
         """out[lo:hi] = the received bytes."""
         if hi > lo:

@@ -35,27 +35,28 @@ async def reduce_scatter_ring(
     op: ReduceOp,
     spans: list[Span],
     on_final: OnFinal | None = None,
-) -> dict[int, list[Receipt]]:
-    """Run the reduce-scatter; returns receipts of sends, by segment (-1: sent from src)."""
+) -> list[Receipt]:
+    """Run the reduce-scatter; returns the receipts of the sends made from `src`."""
     size, rank = group.size, group.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     itemsize = out.dtype.itemsize
     chunks = [chunk_spans(span, chunk_elems(group, itemsize)) for span in spans]
-    receipts: dict[int, list[Receipt]] = {-1: []}
 
     # Step 0: our own contribution to segment r-1 leaves directly from the input.
-    for c, (lo, hi) in enumerate(chunks[(rank - 1) % size]):
-        receipts[-1].append(await group.send(right, 0, c, be.payload(src, lo, hi)))
+    from_src = [
+        await group.send(right, 0, c, be.payload(src, lo, hi))
+        for c, (lo, hi) in enumerate(chunks[(rank - 1) % size])
+    ]
 
     for k in range(size - 1):
         seg = (rank - k - 2) % size
         for c, (lo, hi) in enumerate(chunks[seg]):
             msg = await group.recv(left, k, c, nbytes=(hi - lo) * itemsize)
-            be.reduce(op, out, lo, hi, src, msg.payload, data_first=True)
             if k == size - 2:  # segment `rank` is complete for this chunk
+                be.reduce(op, out, lo, hi, src, msg.payload, data_first=True)
                 if on_final is not None:
                     await on_final(c, lo, hi)
             else:
-                receipt = await group.send(right, k + 1, c, be.payload(out, lo, hi))
-                receipts.setdefault(seg, []).append(receipt)
-    return receipts
+                partial = be.combine(op, src, lo, hi, msg.payload)
+                await group.send(right, k + 1, c, be.payload(partial, 0, hi - lo))
+    return from_src

@@ -34,6 +34,7 @@ from ..collectives import (
     scatter_direct,
 )
 from ..collectives.chunking import split_spans
+from ..collectives.group import wait_receipts
 from ..errors import ConfigError
 from ..wire import Fingerprint
 from .call import Call
@@ -194,7 +195,8 @@ class Planner:
                 be.copy(out, 0, len(out), src)
             else:
                 scale = _scaler(be, out, reduce_op, call.size)
-                await reduce_scatter_ring(call, be, src, out, reduce_op, spans, scale)
+                sent = await reduce_scatter_ring(call, be, src, out, reduce_op, spans, scale)
+                await wait_receipts(sent)  # src may be x, which the caller gets back
             lo, hi = spans[call.rank]
             mine = row_spans[call.rank]
             result = out[lo:hi].copy().reshape(mine[1] - mine[0], *trailing)
