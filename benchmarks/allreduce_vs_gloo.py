@@ -100,7 +100,8 @@ def main() -> None:
         print(json.dumps({"dsml": ours, "gloo": list(theirs.values())}, indent=2))
         return
     print(
-        f"# world_size={args.n}, float32 sum, median of timed calls; ratio = Gloo time / dsml time"
+        f"# world_size={args.n}, float32 sum, median of timed calls, median of {args.repeat} "
+        "run(s); speedup = Gloo time / dsml time"
     )
     print(
         f"# {'bytes':>10} {'algorithm':>9} {'dsml us':>10} {'busbw':>7} "

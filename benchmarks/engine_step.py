@@ -8,9 +8,9 @@ computes every gradient, then all-reduces them one after another. The engine ste
 each layer's backward computation into `comm.engine` (numpy runs on the engine's thread
 pool) and pushes the layer's gradient all_reduce (`comm.push_all_reduce`) as soon as that
 gradient exists, so communication of layer L overlaps the computation of layer L-1.
-Both compute the same numbers (checked). The reported time of a step is the slowest
-rank's; the median over steps is printed. Benchmarks are not tests: nothing is asserted
-about time.
+Both compute the same numbers (checked). The two variants alternate step by step; the
+reported time of a step is the slowest rank's; the median over steps is printed.
+Benchmarks are not tests: nothing is asserted about time.
 """
 
 from __future__ import annotations
@@ -100,15 +100,18 @@ async def engine_step(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list
     return [g.data for g in grads]
 
 
-async def timed(comm: Any, step: Any, net: MLP, x: np.ndarray, y: np.ndarray, steps: int) -> float:
-    times = np.empty(steps)
+async def timed(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray, steps: int) -> dict[str, float]:
+    """Median step time of each variant; the variants alternate, so noise hits both."""
+    variants = {"sequential": sequential_step, "engine": engine_step}
+    times = np.empty((len(variants), steps))
     for k in range(steps):
-        await comm.barrier()
-        start = time.perf_counter()
-        await step(comm, net, x, y)
-        times[k] = time.perf_counter() - start
+        for v, step in enumerate(variants.values()):
+            await comm.barrier()
+            start = time.perf_counter()
+            await step(comm, net, x, y)
+            times[v, k] = time.perf_counter() - start
     await comm.all_reduce(times, "max")
-    return float(np.median(times))
+    return {name: float(np.median(times[v])) for v, name in enumerate(variants)}
 
 
 async def worker(steps: int, widths: list[int], batch: int) -> None:
@@ -122,10 +125,8 @@ async def worker(steps: int, widths: list[int], batch: int) -> None:
         a = await sequential_step(comm, net, x, y)
         b = await engine_step(comm, net, x, y)
         same = all(np.array_equal(p, q) for p, q in zip(a, b, strict=True))
-        results = {}
-        for name, step in (("sequential", sequential_step), ("engine", engine_step)):
-            await timed(comm, step, net, x, y, 2)  # warm up
-            results[name] = await timed(comm, step, net, x, y, steps)
+        await timed(comm, net, x, y, 2)  # warm up
+        results = await timed(comm, net, x, y, steps)
         if comm.rank == 0:
             grad_bytes = sum(w.nbytes for w in net.weights)
             print(
