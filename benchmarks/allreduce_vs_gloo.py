@@ -12,32 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from common import bench_rows, dsml, tagged_lines
+
 HERE = Path(__file__).resolve().parent
-
-
-def dsml_rows(n: int, sizes: str, algorithms: str) -> list[dict[str, Any]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "dsml",
-        "bench",
-        "-n",
-        str(n),
-        "--sizes",
-        sizes,
-        "--algorithm",
-        algorithms,
-        "--json",
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out[out.index("[") :])
 
 
 def free_port() -> int:
@@ -52,24 +34,17 @@ def gloo_rows(n: int, sizes: list[int]) -> list[dict[str, Any]]:
     except ImportError:
         print("# torch is not installed: Gloo side skipped (pip install torch)", file=sys.stderr)
         return []
-    cmd = [
-        sys.executable,
-        "-m",
-        "dsml",
+    port = str(free_port())
+    out = dsml(
         "run",
         "-n",
         str(n),
         str(HERE / "gloo_worker.py"),
         ",".join(map(str, sizes)),
-        str(free_port()),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return [
-        json.loads(line.split("GLOO_ROW ", 1)[1])
-        for line in out.splitlines()
-        if "GLOO_ROW " in line
-    ]
+        port,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    return [json.loads(line) for line in tagged_lines(out, "GLOO_ROW")]
 
 
 def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -91,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     runs_ours, runs_theirs = [], []
     for _ in range(args.repeat):  # interleaved, so a noisy minute hurts both sides
-        runs_ours.append(dsml_rows(args.n, args.sizes, args.algorithms))
+        runs_ours.append(bench_rows(args.n, args.sizes, args.algorithms))
         sizes = sorted({r["bytes"] for r in runs_ours[-1]})
         runs_theirs.append(gloo_rows(args.n, sizes))
     ours = median_rows(runs_ours)

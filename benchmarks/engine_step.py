@@ -19,12 +19,11 @@ import argparse
 import asyncio
 import itertools
 import json
-import subprocess
-import sys
 import time
 from typing import Any
 
 import numpy as np
+from common import dsml, tagged_lines
 
 WIDTHS = [784, 512, 512, 512, 512, 10]
 BATCH = 64
@@ -159,10 +158,7 @@ def main() -> None:
     print(f"# MLP {widths}, batch {args.batch} per rank, float32; median step (slowest rank)")
     print(f"# {'workers':>7} {'sequential ms':>14} {'engine ms':>10} {'speedup':>8}  same grads")
     for n in (int(v) for v in args.sizes.split(",")):
-        cmd = [
-            sys.executable,
-            "-m",
-            "dsml",
+        out = dsml(
             "run",
             "-n",
             str(n),
@@ -174,9 +170,8 @@ def main() -> None:
             args.widths,
             "--batch",
             str(args.batch),
-        ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        row = json.loads(out.split("ENGINE_STEP ", 1)[1].splitlines()[0])
+        )
+        row = json.loads(tagged_lines(out, "ENGINE_STEP")[0])
         print(
             f"  {n:>7} {row['sequential'] * 1e3:>14.1f} {row['engine'] * 1e3:>10.1f} "
             f"{row['speedup']:>7.2f}x  {row['same_gradients']}"

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import resource
-import subprocess
-import sys
 
 import numpy as np
+from common import dsml, tagged_lines
 
 ARRAY_BYTES = 64 << 20
 
@@ -53,19 +52,8 @@ def main() -> None:
     print(f"# world_size={args.n}, 64 MiB float32 all_reduce; peak RSS of the worst rank")
     print(f"# {'algorithm':>9} {'growth MiB':>11} {'total / array':>14}")
     for algorithm in args.algorithms.split(","):
-        cmd = [
-            sys.executable,
-            "-m",
-            "dsml",
-            "run",
-            "-n",
-            str(args.n),
-            __file__,
-            "--worker",
-            algorithm,
-        ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        name, _world, growth, total = out.split("MEMORY ", 1)[1].split()[:4]
+        out = dsml("run", "-n", str(args.n), __file__, "--worker", algorithm)
+        name, _world, growth, total = tagged_lines(out, "MEMORY")[0].split()[:4]
         print(f"  {name:>9} {float(growth):>11.0f} {float(total):>13.2f}x")
 
 

@@ -12,33 +12,14 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 from collections import defaultdict
+
+from common import bench_rows
 
 from dsml.collectives import choose_all_reduce
 
 ALGORITHMS = "ring,tree,naive,direct,mesh"
-
-
-def run(world: int, sizes: str) -> list[dict[str, float]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "dsml",
-        "bench",
-        "-n",
-        str(world),
-        "--sizes",
-        sizes,
-        "--algorithm",
-        ALGORITHMS,
-        "--json",
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out[out.index("[") :])  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -51,7 +32,7 @@ def main() -> None:
     times: dict[tuple[int, int, str], list[float]] = defaultdict(list)
     for _ in range(args.repeat):
         for world in worlds:
-            for row in run(world, args.sizes):
+            for row in bench_rows(world, args.sizes, ALGORITHMS):
                 times[(world, row["bytes"], row["algorithm"])].append(row["median_s"])
     names = ALGORITHMS.split(",")
     print(f"# median of {args.repeat} runs, microseconds; best marked *, auto's pick in []")

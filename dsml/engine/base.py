@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, overload
 
 from ..errors import ConfigError
 from .handle import OpHandle, Poison, Status
@@ -73,6 +73,47 @@ class EngineBase(ABC):
     def closed(self) -> bool:
         """True once `aclose()` was called; pushing then raises RuntimeError."""
         return self._closed
+
+    @overload
+    def push(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        read: Iterable[Var] = (),
+        mutate: Iterable[Var] = (),
+        name: str | None = None,
+    ) -> OpHandle[T]: ...
+    @overload
+    def push(
+        self,
+        fn: Callable[[], T],
+        read: Iterable[Var] = (),
+        mutate: Iterable[Var] = (),
+        name: str | None = None,
+    ) -> OpHandle[T]: ...
+    def push(
+        self,
+        fn: Callable[[], Any],
+        read: Iterable[Var] = (),
+        mutate: Iterable[Var] = (),
+        name: str | None = None,
+    ) -> OpHandle[Any]:
+        """Schedule `fn` after the ops it depends on; return its handle at once.
+
+        `fn` is a coroutine function (awaited on the loop) or a plain function (run on the
+        engine's thread pool; an awaitable it returns is then awaited on the loop). Must be
+        called from the thread running the engine's event loop.
+
+        Raises:
+            ConfigError: `fn` is not callable, or a var is not one of this engine's.
+            RuntimeError: the engine is closed, or this is not its loop's thread.
+        """
+        op = self._new_op(fn, read, mutate, name)
+        self._schedule(op)
+        return op
+
+    @abstractmethod
+    def _schedule(self, op: OpHandle[Any]) -> None:
+        """Take a freshly made op into this engine's schedule."""
 
     @abstractmethod
     async def aclose(self, *, cancel: bool = False) -> None:

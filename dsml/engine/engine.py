@@ -42,10 +42,10 @@ import inspect
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from os import PathLike
-from typing import Any, TypeVar, overload
+from typing import Any
 
 from ..errors import ConfigError
 from .base import EngineBase
@@ -58,7 +58,6 @@ from .var import Var
 
 __all__ = ["Engine"]
 
-T = TypeVar("T")
 Op = OpHandle[Any]
 # What a pool thread sends back: op, returned value, raised error, start, end, thread id.
 _PoolResult = tuple[Op, object, BaseException | None, float, float, int]
@@ -90,38 +89,7 @@ class Engine(EngineBase):
 
     # -- public ----------------------------------------------------------------------------
 
-    @overload
-    def push(
-        self,
-        fn: Callable[[], Awaitable[T]],
-        read: Iterable[Var] = (),
-        mutate: Iterable[Var] = (),
-        name: str | None = None,
-    ) -> OpHandle[T]: ...
-    @overload
-    def push(
-        self,
-        fn: Callable[[], T],
-        read: Iterable[Var] = (),
-        mutate: Iterable[Var] = (),
-        name: str | None = None,
-    ) -> OpHandle[T]: ...
-    def push(
-        self,
-        fn: Callable[[], Any],
-        read: Iterable[Var] = (),
-        mutate: Iterable[Var] = (),
-        name: str | None = None,
-    ) -> OpHandle[Any]:
-        """Schedule `fn` after the ops it depends on; return its handle at once.
-
-        Must be called from the thread running the engine's event loop.
-
-        Raises:
-            ConfigError: `fn` is not callable, or a var is not one of this engine's.
-            RuntimeError: the engine is closed, or this is not its loop's thread.
-        """
-        op = self._new_op(fn, read, mutate, name)
+    def _schedule(self, op: Op) -> None:
         if self._tracer is not None:
             op._t_push = time.perf_counter()
         self._unfinished.add(op)
@@ -129,7 +97,6 @@ class Engine(EngineBase):
         if op._npending == 0:
             self._ready.append(op)
             self._drain()
-        return op
 
     async def wait_var(self, var: Var) -> None:
         """Wait for every op pushed so far that reads or mutates `var`.

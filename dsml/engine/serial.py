@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import Any
 
 from .base import EngineBase
 from .handle import OpHandle, Poison, Status
@@ -27,7 +26,6 @@ from .var import Var
 
 __all__ = ["SerialEngine"]
 
-T = TypeVar("T")
 Op = OpHandle[Any]
 
 
@@ -55,33 +53,9 @@ class SerialEngine(EngineBase):
         self._current: Op | None = None
         self._poison: dict[Var, Poison] = {}
 
-    @overload
-    def push(
-        self,
-        fn: Callable[[], Awaitable[T]],
-        read: Iterable[Var] = (),
-        mutate: Iterable[Var] = (),
-        name: str | None = None,
-    ) -> OpHandle[T]: ...
-    @overload
-    def push(
-        self,
-        fn: Callable[[], T],
-        read: Iterable[Var] = (),
-        mutate: Iterable[Var] = (),
-        name: str | None = None,
-    ) -> OpHandle[T]: ...
-    def push(
-        self,
-        fn: Callable[[], Any],
-        read: Iterable[Var] = (),
-        mutate: Iterable[Var] = (),
-        name: str | None = None,
-    ) -> OpHandle[Any]:
-        """Queue `fn`; it runs after every op pushed before it has finished."""
-        op = self._new_op(fn, read, mutate, name)
+    def _schedule(self, op: Op) -> None:
+        """Queue the op; it runs after every op pushed before it has finished."""
         self._enqueue(op)
-        return op
 
     async def wait_var(self, var: Var) -> None:
         """Wait for the ops pushed so far; raise DependencyFailedError if `var` is poisoned."""

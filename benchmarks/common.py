@@ -1,0 +1,29 @@
+"""What the benchmark scripts share: running `dsml` as a subprocess and reading its rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+
+def dsml(*args: str, env: dict[str, str] | None = None) -> str:
+    """Run `python -m dsml ARGS...` and return its standard output (raise if it fails)."""
+    cmd = [sys.executable, "-m", "dsml", *args]
+    environment = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=environment).stdout
+
+
+def bench_rows(world_size: int, sizes: str, algorithms: str) -> list[dict[str, Any]]:
+    """The rows `dsml bench --json` prints."""
+    out = dsml(
+        "bench", "-n", str(world_size), "--sizes", sizes, "--algorithm", algorithms, "--json"
+    )
+    return json.loads(out[out.index("[") :])  # type: ignore[no-any-return]
+
+
+def tagged_lines(out: str, tag: str) -> list[str]:
+    """The payloads of lines of the form `[rank 0] TAG payload` (or `TAG payload`)."""
+    return [line.split(tag + " ", 1)[1] for line in out.splitlines() if tag + " " in line]
