@@ -119,6 +119,7 @@ class Launch:
         self._stdout = stdout or sys.stdout
         self._stderr = stderr or sys.stderr
         self._procs: list[asyncio.subprocess.Process] = []
+        self._output_closed = False
         self._tails = [collections.deque[str](maxlen=_TAIL_LINES) for _ in range(world_size)]
 
     async def run(self) -> int:
@@ -176,10 +177,13 @@ class Launch:
                 self._tails[rank].append(text)
             if self._on_line is not None:
                 self._on_line(rank, name, text)
-            else:
+            elif not self._output_closed:
                 out = self._stdout if name == "stdout" else self._stderr
-                out.write(f"[rank {rank}] {text}\n")
-                out.flush()
+                try:
+                    out.write(f"[rank {rank}] {text}\n")
+                    out.flush()
+                except BrokenPipeError:  # e.g. piped into `head`: keep supervising quietly
+                    self._output_closed = True
 
     async def _wait_others(self, within_s: float) -> bool:
         """Wait until every rank has exited, at most within_s; True if all exited."""

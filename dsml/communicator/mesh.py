@@ -123,7 +123,8 @@ class Mesh:
 
     async def send(self, peer: int, env: Envelope, payload: Sequence[Any] = ()) -> Sent:
         """Queue a message to the peer of that rank."""
-        return await self._channels[peer].send(env, payload)
+        channel = self._channels[peer]
+        return channel.send_nowait(env, payload) or await channel.send(env, payload)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a fire-and-forget coroutine owned by the mesh (awaited on close)."""

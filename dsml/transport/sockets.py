@@ -41,7 +41,9 @@ Handler = Callable[[bytes, Envelope, list[memoryview]], None]
 _MAX_PAYLOAD_FRAMES = 4096
 _HWM = 100_000
 _BATCH = 256  # messages handled before the reader yields to other tasks
-_EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)  # plain ints: no enum cost
+# Plain ints: pyzmq's enum flags cost a conversion per frame, which shows on small messages.
+_EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
+_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _FULL_POLL_S = 0.001  # re-try interval of a send that found the queue full (rare)
 
 
@@ -93,7 +95,11 @@ class _Reader:
         for _ in range(_BATCH):
             if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 return
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames = [frame]
+            while frame.more:  # the rest of a multipart message is already here
+                frame = sock.recv(_NOBLOCK, copy=False)
+                frames.append(frame)
             self.received += 1
             self._dispatch(frames)
         self._schedule()  # more may be queued: go on after others had a turn
@@ -148,14 +154,26 @@ def _zero_copy_frames(
     return parts, zmq.MessageTracker(*tracked) if tracked else None
 
 
+def _try_send(sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
+    """Queue a multipart message without blocking; False (nothing queued) if it is full.
+
+    ZeroMQ checks the high-water mark at the first frame of a message only, so once the
+    first frame is queued the others are too.
+    """
+    last = len(frames) - 1
+    try:
+        sock.send(frames[0], _MORE if last else _NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    for index in range(1, last + 1):
+        sock.send(frames[index], _MORE if index < last else _NOBLOCK, copy=False)
+    return True
+
+
 async def _send(sock: zmq.Socket[bytes], frames: list[Any]) -> None:
     """Send without blocking the loop; when the queue is full, retry until it is not."""
-    while True:
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            return
-        except zmq.Again:
-            await asyncio.sleep(_FULL_POLL_S)
+    while not _try_send(sock, frames):
+        await asyncio.sleep(_FULL_POLL_S)
 
 
 class Endpoint:
@@ -278,9 +296,22 @@ class Channel:
 
         Returns a receipt: do not modify those payload buffers until `receipt.done()`.
         """
+        receipt = self.send_nowait(env, payload)
+        if receipt is None:  # the queue is full (a slow or absent peer): wait for room
+            parts, tracker = _zero_copy_frames(payload, self._threshold)
+            try:
+                await _send(self._sock, _frames(env, parts))
+            except zmq.ZMQError as exc:
+                raise DsmlError(f"send to {self.address} failed: {exc}") from None
+            receipt = DONE if tracker is None else Sent(tracker)
+        return receipt
+
+    def send_nowait(self, env: Envelope, payload: Sequence[Any] = ()) -> Sent | None:
+        """`send` when it can be done at once (the usual case); None if the queue is full."""
         parts, tracker = _zero_copy_frames(payload, self._threshold)
         try:
-            await _send(self._sock, _frames(env, parts))
+            if not _try_send(self._sock, _frames(env, parts)):
+                return None
         except zmq.ZMQError as exc:
             raise DsmlError(f"send to {self.address} failed: {exc}") from None
         finally:
