@@ -171,8 +171,13 @@ def _try_send(sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
 
 
 async def _send(sock: zmq.Socket[bytes], frames: list[Any]) -> None:
-    """Send without blocking the loop; when the queue is full, retry until it is not."""
-    while not _try_send(sock, frames):
+    """Send without blocking the loop; when the queue is full, retry until it is not.
+
+    A full queue (100,000 messages) means the peer is gone or far behind, so a 1 ms poll
+    costs nothing that matters; watching the descriptor instead would need a second
+    reader on a socket that may already have one.
+    """
+    while not _try_send(sock, frames):  # noqa: ASYNC110
         await asyncio.sleep(_FULL_POLL_S)
 
 
