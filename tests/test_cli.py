@@ -177,3 +177,53 @@ def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=10)
     assert proc.returncode == 0
+
+
+def test_a_registry_serves_the_next_job_after_a_job_whose_rank_failed():
+    """Stopped ranks leave the group (SIGINT, not SIGTERM), so the registry is reusable."""
+    proc = subprocess.Popen(
+        [*DSML, "registry", "--address", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        failed = dsml_cmd(
+            "run",
+            "-n",
+            "3",
+            "--registry",
+            address,
+            str(SCRIPTS / "fail_on_rank.py"),
+            env={"FAIL_RANK": "1"},
+        )
+        assert failed.returncode == 1
+        assert "dsml run: rank 1 failed" in failed.stderr
+        ok = dsml_cmd("run", "-n", "2", "--registry", address, "examples/hello_all_reduce.py")
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(dsml_cmd("status", "--registry", address, "--json").stdout)["epoch"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+
+
+def test_sigterm_to_the_launcher_lets_every_rank_close():
+    proc = subprocess.Popen(
+        [*DSML, "run", "-n", "2", str(SCRIPTS / "wait_forever.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    ready = 0
+    while ready < 2:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        ready += "ready" in line
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert out.count("interrupted") == 2  # each rank got KeyboardInterrupt and closed

@@ -9,7 +9,13 @@ import threading
 import numpy as np
 import pytest
 
-from dsml import CollectiveMismatchError, CommConfig, DependencyFailedError
+from dsml import (
+    CollectiveAbortedError,
+    CollectiveMismatchError,
+    CommConfig,
+    ConfigError,
+    DependencyFailedError,
+)
 from dsml.testing import open_local_cluster
 
 LAYERS = 5
@@ -135,3 +141,52 @@ async def test_closing_the_communicator_closes_its_engine():
         assert all(c.var is c.var for c in cluster)  # one ordering var per communicator
     for engine in engines:
         assert engine.closed
+
+
+async def test_a_direct_call_made_while_pushed_collectives_wait_queues_behind_them():
+    """Without queueing, the direct call could take its id before the pushed one on one
+    rank and after it on another, and the two would pair up silently (same shapes)."""
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            g = engine.tag("g", np.full(4, 1.0))
+            ready = asyncio.Event()
+
+            async def produce():
+                await ready.wait()
+
+            engine.push(produce, mutate=[g.var])
+            comm.push_all_reduce(g)  # issued once produce() is done
+            if comm.rank == 1:  # here the pushed all_reduce is issued first ...
+                ready.set()
+                await engine.wait_var(comm.var)  # the issue op (its id is taken)
+            direct = comm.all_reduce(np.full(4, 100.0))  # ... on rank 0 the direct call is
+            ready.set()
+            h = await direct
+            await engine.wait_all()
+            return g.data.copy(), h
+
+        for g, h in await cluster.run(program):
+            assert (g == 2.0).all()  # pushed all_reduce of g
+            assert (h == 200.0).all()  # direct all_reduce of h
+
+
+async def test_a_rejected_issue_does_not_poison_the_order_of_later_collectives():
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+
+        async def program(comm):
+            a = comm.engine.tag("a", np.ones(4))
+            if comm.rank == 1:
+                a.data.flags.writeable = False  # rejected on rank 1 only
+            b = comm.engine.tag("b", np.ones(4))
+            first = comm.push_all_reduce(a)
+            second = comm.push_all_reduce(b)
+            outcome = await asyncio.gather(first, return_exceptions=True)
+            return outcome[0], await second
+
+        (first0, b0), (first1, b1) = await cluster.run(program)
+        assert isinstance(first1, ConfigError)
+        assert isinstance(first0, CollectiveMismatchError | CollectiveAbortedError)
+        assert (b0 == 2).all()
+        assert (b1 == 2).all()

@@ -98,6 +98,29 @@ async def test_the_broadcast_root_fails_when_a_non_root_rejects_the_call():
         assert isinstance(results[0], CollectiveMismatchError)  # the root too
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast"])
+async def test_a_different_chunk_size_is_a_mismatch_on_every_rank(collective):
+    """Ranks cutting messages differently cannot work together; the root must not succeed."""
+    registry = await dsml.open_registry()
+    try:
+        configs = [CommConfig(timeout=300, chunk_bytes=4096 * (1 + r)) for r in range(3)]
+        comms = await asyncio.gather(
+            *(
+                dsml.init(registry.address, world_size=3, rank=r, config=c)
+                for r, c in enumerate(configs)
+            )
+        )
+        try:
+            results = await asyncio.gather(
+                *(getattr(c, collective)(np.ones(20000)) for c in comms), return_exceptions=True
+            )
+            assert_all(results, CollectiveMismatchError, "chunk_bytes")
+        finally:
+            await asyncio.gather(*(c.aclose() for c in comms))
+    finally:
+        await registry.aclose()
+
+
 async def test_nobody_waits_when_every_rank_thinks_another_is_the_root():
     async with open_local_cluster(2, config=PATIENT) as cluster:
         results = await outcomes(cluster, lambda c: c.broadcast(np.ones(4), 1 - c.rank))

@@ -109,12 +109,12 @@ async def test_an_endpoint_replies_to_a_channel_that_has_a_handler():
         await ch.send(Envelope(Kind.STATUS_REQUEST))
         sender, env, _ = await inbox.next()
         assert env.kind is Kind.STATUS_REQUEST
-        assert await ep.send(sender, Envelope(Kind.STATUS_REPLY, body={"n": 1}), [b"extra"])
+        assert ep.send_nowait(sender, Envelope(Kind.STATUS_REPLY, body={"n": 1}), [b"extra"])
         _, reply, frames = await replies.next()
         assert reply.kind is Kind.STATUS_REPLY
         assert reply.body == {"n": 1}
         assert frames == [b"extra"]
-        assert not await ep.send(b"nobody", Envelope(Kind.STATUS_REPLY))
+        assert not ep.send_nowait(b"nobody", Envelope(Kind.STATUS_REPLY))
 
 
 async def test_a_payload_sent_without_copying_arrives_intact_after_its_receipt_is_done():

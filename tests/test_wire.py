@@ -201,27 +201,41 @@ def test_every_truncation_of_a_valid_envelope_is_refused():
         pytest.param(raw_envelope(body=7), id="body int"),
         pytest.param(raw_envelope(fp="all_reduce"), id="fingerprint string"),
         pytest.param(raw_envelope(fp={"collective": "x"}), id="fingerprint map"),
-        pytest.param(raw_envelope(fp=FULL.to_wire()[:6]), id="fingerprint of 6 items"),
-        pytest.param(raw_envelope(fp=[*FULL.to_wire(), None]), id="fingerprint of 8 items"),
-        pytest.param(raw_envelope(fp=[None] * 7), id="fingerprint without collective"),
-        pytest.param(raw_envelope(fp=["", *[None] * 6]), id="empty collective"),
-        pytest.param(raw_envelope(fp=["x" * 65, *[None] * 6]), id="collective too long"),
-        pytest.param(raw_envelope(fp=["x", "d" * 65, *[None] * 5]), id="dtype too long"),
-        pytest.param(raw_envelope(fp=["x", 7, *[None] * 5]), id="dtype int"),
-        pytest.param(raw_envelope(fp=["x", None, -1, *[None] * 4]), id="negative count"),
-        pytest.param(raw_envelope(fp=["x", None, True, *[None] * 4]), id="count bool"),
-        pytest.param(raw_envelope(fp=["x", None, 1 << 63, *[None] * 4]), id="count huge"),
-        pytest.param(raw_envelope(fp=["x", None, None, [1] * 65, None, None, None]), id="65 dims"),
-        pytest.param(raw_envelope(fp=["x", None, None, [1, -1], None, None, None]), id="dim -1"),
-        pytest.param(raw_envelope(fp=["x", None, None, [1.0], None, None, None]), id="dim float"),
-        pytest.param(raw_envelope(fp=["x", None, None, [True], None, None, None]), id="dim bool"),
-        pytest.param(raw_envelope(fp=["x", None, None, 8, None, None, None]), id="shape int"),
+        pytest.param(raw_envelope(fp=FULL.to_wire()[:7]), id="fingerprint of 7 items"),
+        pytest.param(raw_envelope(fp=[*FULL.to_wire(), None]), id="fingerprint of 9 items"),
+        pytest.param(raw_envelope(fp=[None] * 8), id="fingerprint without collective"),
+        pytest.param(raw_envelope(fp=["", *[None] * 7]), id="empty collective"),
+        pytest.param(raw_envelope(fp=["x" * 65, *[None] * 7]), id="collective too long"),
+        pytest.param(raw_envelope(fp=["x", "d" * 65, *[None] * 6]), id="dtype too long"),
+        pytest.param(raw_envelope(fp=["x", 7, *[None] * 6]), id="dtype int"),
+        pytest.param(raw_envelope(fp=["x", None, -1, *[None] * 5]), id="negative count"),
+        pytest.param(raw_envelope(fp=["x", None, True, *[None] * 5]), id="count bool"),
+        pytest.param(raw_envelope(fp=["x", None, 1 << 63, *[None] * 5]), id="count huge"),
         pytest.param(
-            raw_envelope(fp=["x", None, None, {"a": 1}, None, None, None]), id="shape map"
+            raw_envelope(fp=["x", None, None, [1] * 65, None, None, None, None]), id="65 dims"
         ),
-        pytest.param(raw_envelope(fp=["x", None, None, None, b"sum", None, None]), id="op bytes"),
-        pytest.param(raw_envelope(fp=["x", None, None, None, None, -1, None]), id="root -1"),
-        pytest.param(raw_envelope(fp=["x", None, None, None, None, None, 3]), id="algorithm int"),
+        pytest.param(
+            raw_envelope(fp=["x", None, None, [1, -1], None, None, None, None]), id="dim -1"
+        ),
+        pytest.param(
+            raw_envelope(fp=["x", None, None, [1.0], None, None, None, None]), id="dim float"
+        ),
+        pytest.param(
+            raw_envelope(fp=["x", None, None, [True], None, None, None, None]), id="dim bool"
+        ),
+        pytest.param(raw_envelope(fp=["x", None, None, 8, None, None, None, None]), id="shape int"),
+        pytest.param(
+            raw_envelope(fp=["x", None, None, {"a": 1}, None, None, None, None]), id="shape map"
+        ),
+        pytest.param(
+            raw_envelope(fp=["x", None, None, None, b"sum", None, None, None]), id="op bytes"
+        ),
+        pytest.param(raw_envelope(fp=["x", None, None, None, None, -1, None, None]), id="root -1"),
+        pytest.param(
+            raw_envelope(fp=["x", None, None, None, None, None, 3, None]), id="algorithm int"
+        ),
+        pytest.param(raw_envelope(fp=["x", *[None] * 6, -4096]), id="chunk_bytes negative"),
+        pytest.param(raw_envelope(fp=["x", *[None] * 6, "4M"]), id="chunk_bytes string"),
         pytest.param({"version": 1}, id="a map"),
         pytest.param("envelope", id="a string"),
         pytest.param(1, id="an int"),
@@ -235,7 +249,7 @@ def test_valid_msgpack_of_the_wrong_shape_is_refused(items):
         decode(data)
 
 
-VALID_FP = ["all_reduce", "float32", 1, [1], "sum", 0, "ring"]
+VALID_FP = ["all_reduce", "float32", 1, [1], "sum", 0, "ring", 4096]
 
 
 @pytest.mark.parametrize(

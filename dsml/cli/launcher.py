@@ -1,11 +1,14 @@
 """Starting N rank processes and supervising them (cli layer).
 
 Each rank is a child process in its own session, so a terminal's Ctrl-C reaches the
-launcher only and is forwarded exactly once; a second Ctrl-C kills. Every line a child
-prints is passed on with its rank in front. When a rank fails, the others are stopped
-(SIGTERM, then SIGKILL after a grace period) and a short root-cause block names the rank,
-how it ended and the last lines of its error output. On Linux the children also get
-SIGKILL if the launcher itself dies.
+launcher only and is forwarded exactly once; a second Ctrl-C kills. Ranks are asked to
+stop with SIGINT, also when the launcher got SIGTERM: Python turns SIGINT into
+KeyboardInterrupt, so `async with dsml.init()` closes and leaves the registry (a SIGTERM
+would end a Python rank on the spot and leave the registry believing it still runs).
+Every line a child prints is passed on with its rank in front. When a rank fails, the
+others are stopped (SIGINT, then SIGKILL after a grace period) and a short root-cause block
+names the rank, how it ended and the last lines of its error output. On Linux the
+children also get SIGKILL if the launcher itself dies.
 """
 
 from __future__ import annotations
@@ -156,7 +159,8 @@ class Launch:
             self._pump(rank, "stdout", proc.stdout), self._pump(rank, "stderr", proc.stderr)
         )
         code = await proc.wait()
-        if code != 0 and not self.interrupted and not (self.failures and code == -signal.SIGTERM):
+        stopped = self.failures and code in (-signal.SIGINT, -signal.SIGKILL, 130)
+        if code != 0 and not self.interrupted and not stopped:
             failure = Failure(rank, code, list(self._tails[rank]))
             self.failures.append(failure)
             if len(self.failures) == 1:
@@ -196,13 +200,13 @@ class Launch:
         return not pending
 
     async def _stop_others(self) -> None:
-        self._kill_all(signal.SIGTERM)
+        self._kill_all(signal.SIGINT)
         if not await self._wait_others(self._grace_s):
             self._kill_all(signal.SIGKILL)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.interrupted += 1
-        self._kill_all(sig if self.interrupted == 1 else signal.SIGKILL)
+        self._kill_all(signal.SIGINT if self.interrupted == 1 else signal.SIGKILL)
 
     def _kill_all(self, sig: signal.Signals) -> None:
         for proc in self._procs:

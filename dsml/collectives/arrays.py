@@ -39,6 +39,11 @@ class ArrayBackend:
     def owns(self, x: object) -> bool:
         return isinstance(x, np.ndarray)
 
+    def plain(self, x: Array) -> Array:
+        """x as a base-class array sharing its memory (np.matrix and other subclasses
+        change what reshape and indexing mean)."""
+        return x if type(x) is np.ndarray else x.view(np.ndarray)
+
     def flat_view(self, x: Array) -> Array | None:
         """A flat view sharing x's memory, or None when x is not C-contiguous."""
         if x.flags.c_contiguous and x.dtype.isnative:

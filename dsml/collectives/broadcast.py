@@ -11,13 +11,12 @@ receives the data.
 
 from __future__ import annotations
 
-import asyncio
-
 from .arrays import Array, ArrayBackend
 from .binomial import binomial_tree
 from .chunking import chunk_spans
 from .confirm import confirm
 from .group import Group, Receipt, chunk_elems, wait_receipts
+from .together import together
 
 __all__ = ["broadcast_tree"]
 
@@ -39,4 +38,4 @@ async def _stream(group: Group, be: ArrayBackend, buf: Array, root: int) -> None
 
 async def broadcast_tree(group: Group, be: ArrayBackend, buf: Array, root: int) -> None:
     """Copy the root's buf into every rank's buf."""
-    await asyncio.gather(_stream(group, be, buf, root), confirm(group))
+    await together(_stream(group, be, buf, root), confirm(group))

@@ -7,12 +7,11 @@ rows. The agreement lane runs beside it (see confirm.py).
 
 from __future__ import annotations
 
-import asyncio
-
 from .arrays import Array, ArrayBackend
 from .blocks import Block, assemble, recv_block, send_block
 from .confirm import confirm
 from .group import Group, wait_receipts
+from .together import together
 
 __all__ = ["gather_direct"]
 
@@ -37,7 +36,4 @@ async def gather_direct(
     group: Group, be: ArrayBackend, block: Array, rows: int, trailing: tuple[int, ...], root: int
 ) -> Array | None:
     """On the root: every rank's block concatenated in rank order; elsewhere None."""
-    result, _ = await asyncio.gather(
-        _collect(group, be, block, rows, trailing, root), confirm(group)
-    )
-    return result
+    return await together(_collect(group, be, block, rows, trailing, root), confirm(group))

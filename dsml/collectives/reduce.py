@@ -11,14 +11,13 @@ only the root's `out` is meaningful afterwards.
 
 from __future__ import annotations
 
-import asyncio
-
 from .arrays import Array, ArrayBackend
 from .binomial import binomial_tree
 from .chunking import chunk_spans
 from .confirm import confirm
 from .group import Group, Receipt, chunk_elems, wait_receipts
 from .ops import ReduceOp
+from .together import together
 
 __all__ = ["reduce_tree"]
 
@@ -45,4 +44,4 @@ async def reduce_tree(
     group: Group, be: ArrayBackend, src: Array, out: Array, op: ReduceOp, root: int
 ) -> None:
     """The root's out = reduction over all ranks of src."""
-    await asyncio.gather(_fold(group, be, src, out, op, root), confirm(group))
+    await together(_fold(group, be, src, out, op, root), confirm(group))

@@ -8,13 +8,12 @@ not report success for a call a peer rejected.
 
 from __future__ import annotations
 
-import asyncio
-
 from .arrays import Array, ArrayBackend
 from .blocks import Block, assemble, recv_block, send_block
 from .chunking import split_spans
 from .confirm import confirm
 from .group import Group, Receipt, wait_receipts
+from .together import together
 
 __all__ = ["scatter_direct"]
 
@@ -56,5 +55,5 @@ async def scatter_direct(
 
     On non-roots `flat`, `rows` and `trailing` are ignored: the root's messages say them.
     """
-    block, _ = await asyncio.gather(_deal(group, be, flat, rows, trailing, root), confirm(group))
+    block = await together(_deal(group, be, flat, rows, trailing, root), confirm(group))
     return assemble(be, [block])

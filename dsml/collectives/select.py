@@ -27,8 +27,8 @@ MEASURED_RANKS = 4  # the table was measured up to this many ranks
 
 def check_algorithm(name: object) -> str:
     """Validate an `algorithm=` argument ("auto" included)."""
-    if name == "auto" or name in ALL_REDUCE_ALGORITHMS:
-        return str(name)
+    if type(name) is str and (name == "auto" or name in ALL_REDUCE_ALGORITHMS):
+        return name
     choices = ", ".join(repr(a) for a in ("auto", *ALL_REDUCE_ALGORITHMS))
     raise ConfigError(f"unknown all_reduce algorithm {name!r}; use one of {choices}")
 

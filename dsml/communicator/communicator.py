@@ -11,17 +11,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ..config import CommConfig
-from ..engine import Engine, OpHandle, Tagged, Var
+from ..engine import Engine, OpHandle, Tagged, Var, current_op
 from ..membership import RegistryClient, View
 from ..wire import Fingerprint
 from .call import Call
 from .handle import CollectiveHandle
 from .mesh import Mesh
 from .p2p import PointToPoint
-from .plans import Planner, loose_fingerprint
+from .plans import Plan, Planner, loose_fingerprint
 from .runner import Runner
 
 __all__ = ["Communicator"]
@@ -44,7 +44,7 @@ class Communicator:
         self._mesh = mesh
         self._registry = registry
         self._runner = Runner(mesh, config, loop)
-        self._planner = Planner()
+        self._planner = Planner(config.chunk_bytes)
         self._p2p = PointToPoint(mesh)
         self._engine: Engine | None = None
         self._var: Var | None = None
@@ -101,7 +101,7 @@ class Communicator:
         self, x: Array, op: Any = "sum", *, algorithm: str = "auto", timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Reduce x over all ranks, in place on every rank; the handle gives x."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.all_reduce(x, op, algorithm, self.world_size),
             lambda: loose_fingerprint("all_reduce", x, op),
             timeout,
@@ -111,7 +111,7 @@ class Communicator:
         self, x: Array, root: int = 0, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.reduce(x, root, op, self.rank, self.world_size),
             lambda: loose_fingerprint("reduce", x, op, root),
             timeout,
@@ -121,7 +121,7 @@ class Communicator:
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.broadcast(x, root, self.rank, self.world_size),
             lambda: loose_fingerprint("broadcast", x, None, root),
             timeout,
@@ -129,7 +129,7 @@ class Communicator:
 
     def all_gather(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Every rank's x concatenated along axis 0 in rank order (a new array)."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.all_gather(x),
             lambda: loose_fingerprint("all_gather", x),
             timeout,
@@ -139,7 +139,7 @@ class Communicator:
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Like all_gather, but only root gets the result; others get None."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.gather(x, root, self.world_size),
             lambda: loose_fingerprint("gather", x, None, root),
             timeout,
@@ -149,7 +149,7 @@ class Communicator:
         self, x: Array | None = None, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.scatter(x, root, self.rank, self.world_size),
             lambda: loose_fingerprint("scatter", x, None, root),
             timeout,
@@ -159,7 +159,7 @@ class Communicator:
         self, x: Array, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives the reduction of numpy.array_split(x, world_size)[r]."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.reduce_scatter(x, op),
             lambda: loose_fingerprint("reduce_scatter", x, op),
             timeout,
@@ -168,7 +168,7 @@ class Communicator:
     def all_to_all(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
         concatenated in rank order."""
-        return self._runner.collective(
+        return self._collective(
             lambda: self._planner.all_to_all(x),
             lambda: loose_fingerprint("all_to_all", x),
             timeout,
@@ -176,9 +176,61 @@ class Communicator:
 
     def barrier(self, *, timeout: float | None = None) -> CollectiveHandle[None]:
         """Return once every rank has entered the barrier."""
-        return self._runner.collective(
-            self._planner.barrier, lambda: Fingerprint("barrier"), timeout
-        )
+        return self._collective(self._planner.barrier, lambda: Fingerprint("barrier"), timeout)
+
+    def _collective(
+        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
+    ) -> CollectiveHandle[Any]:
+        def start() -> CollectiveHandle[Any]:
+            if self._behind_engine():
+                return self._queue_behind_engine(plan, loose, timeout)
+            return self._runner.collective(plan, loose, timeout)
+
+        return self._runner.on_loop(start)
+
+    def _behind_engine(self) -> bool:
+        """Must a call wait for collectives pushed into the engine but not issued yet?
+
+        Collective ids follow the order of issue. A call made outside the engine while
+        pushed collectives are still waiting could be issued before them on one rank and
+        after them on another, and pair with the wrong call silently. So such a call
+        queues behind them (through `comm.var`), which is the same order on every rank.
+        """
+        if self._engine is None or self._var is None or not self._engine.is_busy(self._var):
+            return False
+        op = current_op()
+        return op is None or self._var not in op.mutates
+
+    def _queue_behind_engine(
+        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
+    ) -> CollectiveHandle[Any]:
+        issued: list[CollectiveHandle[Any] | BaseException] = []
+        abandoned = False
+
+        async def issue() -> None:
+            try:
+                issued.append(self._runner.collective(plan, loose, timeout))
+            except Exception as exc:  # an id was taken all the same: comm.var stays clean
+                issued.append(exc)
+                return
+            if abandoned:  # cancelled while queued: tell the peers, as any cancel does
+                cast(CollectiveHandle[Any], issued[0]).cancel()
+
+        op = self.engine.push(issue, mutate=[self.var], name="issue queued collective")
+
+        async def wait() -> Any:
+            nonlocal abandoned
+            try:
+                await asyncio.shield(op)
+            except asyncio.CancelledError:
+                abandoned = True
+                raise
+            outcome = issued[0]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return await outcome
+
+        return CollectiveHandle(asyncio.get_running_loop().create_task(wait()), "queued", 0)
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -274,13 +326,21 @@ class Communicator:
         name: str,
         start: Callable[[], CollectiveHandle[Array]],
     ) -> OpHandle[Array]:
-        started: list[CollectiveHandle[Array]] = []
+        started: list[CollectiveHandle[Array] | BaseException] = []
 
         async def issue() -> None:
-            started.append(start())
+            # Even a call rejected here took its collective id: the next one is the next
+            # on every rank, so the error belongs to the data, not to comm.var.
+            try:
+                started.append(start())
+            except Exception as exc:
+                started.append(exc)
 
         async def complete() -> Array:
-            return await started[0]
+            outcome = started[0]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return await outcome
 
         mutate = [tagged.var, self.var]
         self.engine.push(issue, read=read, mutate=mutate, name=f"issue {name}")
@@ -288,8 +348,9 @@ class Communicator:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def aclose(self, *, error: BaseException | None = None) -> None:
-        """Cancel calls in flight, say goodbye to the peers, leave the group, close sockets.
+    async def aclose(self, *, error: BaseException | None = None, cancel: bool = False) -> None:
+        """Close: finish (or with `cancel`, cancel) engine ops, cancel calls in flight, say
+        goodbye to the peers, leave the group, close the sockets.
 
         `error` (set when `async with` exits by an exception) tells the peers why this rank
         left, so their pending and later calls fail naming it instead of waiting.
@@ -297,7 +358,7 @@ class Communicator:
         if self._runner.closed:
             return
         if self._engine is not None:
-            await self._engine.aclose(cancel=error is not None)
+            await self._engine.aclose(cancel=cancel or error is not None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
         await self._mesh.aclose(reason)
@@ -315,7 +376,8 @@ class Communicator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose(error=exc if isinstance(exc, Exception) else None)
+        error = exc if isinstance(exc, Exception) else None
+        await self.aclose(error=error, cancel=exc_type is not None)
 
     def __repr__(self) -> str:
         if self._mesh.view is None:

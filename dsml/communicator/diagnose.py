@@ -32,10 +32,17 @@ _ADVICE = (
 
 
 def mismatch_message(cid: int, a: int, a_fp: Fingerprint, b: int, b_fp: Fingerprint) -> str:
-    differing = ", ".join(a_fp.conflicts(b_fp)) or "call"
+    conflicts = a_fp.conflicts(b_fp)
+    differing = ", ".join(conflicts) or "call"
+    advice = _ADVICE
+    if conflicts == ["chunk_bytes"]:
+        advice = (
+            f"CommConfig.chunk_bytes must be the same on every rank (rank {a}: "
+            f"{a_fp.chunk_bytes}, rank {b}: {b_fp.chunk_bytes})."
+        )
     return (
         f"collective #{cid} does not match across ranks: rank {a} called {a_fp.describe()} "
-        f"but rank {b} called {b_fp.describe()} (different {differing}). {_ADVICE}"
+        f"but rank {b} called {b_fp.describe()} (different {differing}). {advice}"
     )
 
 
@@ -77,7 +84,13 @@ def _join(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
+#: Longest message an Abort carries (receivers refuse longer ones).
+MAX_MESSAGE = 8192
+
+
 def abort_body(reason: str, message: str, origin: int, ranks: Sequence[int] = ()) -> dict[str, Any]:
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 3] + "..."
     return {"reason": reason, "message": message, "origin": origin, "ranks": list(ranks)}
 
 
@@ -90,7 +103,7 @@ def error_from_abort(
     """
     fields = Fields(env.body, "Abort")
     reason = fields.get_str("reason", 32)
-    message = fields.get_str("message", 8192)
+    message = fields.get_str("message", MAX_MESSAGE)
     origin = fields.get_int("origin", 0, 1 << 20)
     ranks = fields.int_list("ranks", 0, 1 << 20)
     where: dict[str, Any] = {

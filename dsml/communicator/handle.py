@@ -14,8 +14,10 @@ T = TypeVar("T")
 class CollectiveHandle(Generic[T]):
     """A collective that has started; `await handle` gives its result.
 
-    Cancelling the handle (or the task awaiting it) aborts the collective on every rank:
-    the peers fail with `CollectiveAbortedError` instead of waiting for this rank.
+    Cancelling the handle (or the task awaiting it) gives the call up here and tells the
+    peers, which then fail with `CollectiveAbortedError` instead of waiting for this rank.
+    A peer that had already received everything it needed keeps its result, so after a
+    cancellation the ranks' copies of that data may differ; this rank's input is intact.
     """
 
     __slots__ = ("_task", "cid", "collective")
@@ -42,7 +44,7 @@ class CollectiveHandle(Generic[T]):
         return self._task.exception()
 
     def cancel(self, msg: str | None = None) -> bool:
-        """Cancel here and abort the collective on the other ranks."""
+        """Cancel here and abort the collective on the ranks still waiting for it."""
         return self._task.cancel(msg)
 
     def add_done_callback(self, fn: Callable[[CollectiveHandle[T]], object]) -> None:

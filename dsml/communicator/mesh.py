@@ -62,6 +62,7 @@ class Mesh:
         self._aborts: dict[int, Envelope] = {}
         self._held: list[tuple[bytes, Envelope, list[memoryview]]] = []
         self._held_bytes = 0
+        self._probing: set[tuple[int, int]] = set()
         self._background: set[asyncio.Task[Any]] = set()
         self._handlers: dict[Kind, Callable[[int, Envelope, list[memoryview]], None]] = {
             Kind.CHUNK: self.handle_chunk,
@@ -176,6 +177,11 @@ class Mesh:
             if error is not None:
                 return error
         return None
+
+    def forget(self, cid: int) -> None:
+        """Drop what arrived for a collective id this rank gave up before making a call."""
+        self._aborts.pop(cid, None)
+        self.counters["late"] += self.mailbox.discard((self.epoch, cid))
 
     def finish(self, call: Call) -> None:
         """Forget a call: later messages for it are dropped as late."""
@@ -298,6 +304,9 @@ class Mesh:
 
     def handle_progress(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         Fields(env.body, "Progress").get_int("started")
+        if (env.epoch, env.cid) not in self._probing:
+            self.counters["late"] += 1  # the probe already gave up waiting for it
+            return
         self.mailbox.put(("progress", env.epoch, env.cid), rank, (env, payload))
 
     def handle_goodbye(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
@@ -314,17 +323,16 @@ class Mesh:
             # A marker behind the messages already queued: they are still delivered.
             self.mailbox.put(("p2p", env.epoch), (rank, tag), (PEER_LEFT, []))
 
-    def peer_left_error(self, peer: int) -> CollectiveAbortedError:
-        """The error of a receive from a peer that closed its communicator."""
+    def peer_left_error(self, peer: int, what: str) -> CollectiveAbortedError:
+        """The error of a send to, or receive from, a peer that closed its communicator."""
         error = self.left_with_error.get(peer)
         why = f" after an error: {error}" if error is not None else ""
         return CollectiveAbortedError(
-            f"recv from rank {peer} cannot complete: rank {peer} closed its communicator "
-            f"without sending (more){why}",
+            f"{what} rank {peer} cannot complete: rank {peer} closed its communicator{why}",
             origin=peer,
             rank=self.rank,
             epoch=self.epoch,
-            collective="recv",
+            collective=what.split()[0],
         )
 
     def handle_peer_message(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
@@ -340,12 +348,16 @@ class Mesh:
         probe = Envelope(Kind.PROBE, call.epoch, self.rank, call.cid, fingerprint=call.fingerprint)
         self.broadcast_control(probe)
         progress: dict[int, int | None] = dict.fromkeys(peers)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.config.probe_timeout):
-                for peer in peers:
-                    env, _ = await self.mailbox.get(("progress", call.epoch, call.cid), peer)
-                    progress[peer] = Fields(env.body, "Progress").get_int("started")
-        self.mailbox.discard(("progress", call.epoch, call.cid))
+        self._probing.add((call.epoch, call.cid))
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.probe_timeout):
+                    for peer in peers:
+                        env, _ = await self.mailbox.get(("progress", call.epoch, call.cid), peer)
+                        progress[peer] = Fields(env.body, "Progress").get_int("started")
+        finally:
+            self._probing.discard((call.epoch, call.cid))
+            self.mailbox.discard(("progress", call.epoch, call.cid))
         return progress
 
     # -- shutdown ---------------------------------------------------------------------------

@@ -10,6 +10,8 @@ without a copy).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from collections import Counter
 from typing import Any
@@ -17,7 +19,6 @@ from typing import Any
 from ..collectives import DTYPES, NUMPY, backend_of, dtype_name
 from ..collectives.chunking import chunk_spans
 from ..errors import ConfigError, ProtocolError
-from ..transport import wait_sent
 from ..wire import Envelope, Fingerprint, Kind
 from .mesh import PEER_LEFT, Mesh
 
@@ -25,6 +26,7 @@ __all__ = ["PointToPoint"]
 
 Array = Any
 _MAX_TAG = (1 << 31) - 1
+_CHECK_PEER_S = 0.25  # while a send waits for ZeroMQ, how often to look for a goodbye
 _MAX_FRAMES = 4096
 
 
@@ -54,20 +56,27 @@ class PointToPoint:
         frame_elems = max(1, self._mesh.config.max_frame_bytes // x.dtype.itemsize)
         if math.ceil(x.size / frame_elems) > _MAX_FRAMES:
             raise ConfigError(f"send: {x.nbytes} bytes is more than one message may carry")
-        self._sent[(dst, tag)] += 1
-        seq = self._sent[(dst, tag)]
+        mesh = self._mesh
 
         async def send() -> None:
+            if dst in mesh.closed_after:
+                raise mesh.peer_left_error(dst, "send to")
             flat = be.flat_view(x)
             if flat is None:
                 flat = be.empty(x.size, x.dtype.newbyteorder("="))
                 be.copy_flat(x, flat)
             frames = [be.payload(flat, lo, hi) for lo, hi in chunk_spans((0, x.size), frame_elems)]
-            env = Envelope(
-                Kind.PEER_MESSAGE, self._mesh.epoch, self._mesh.rank, seq, tag, len(frames), fp
-            )
-            receipt = await self._mesh.send(dst, env, frames if x.size else [])
-            await wait_sent([receipt])  # the caller may modify x once send returns
+            # Numbered only now, in the same step as the send: a send cancelled before it
+            # ran leaves no gap in the (dst, tag) stream. Sends start in call order.
+            self._sent[(dst, tag)] += 1
+            seq = self._sent[(dst, tag)]
+            env = Envelope(Kind.PEER_MESSAGE, mesh.epoch, mesh.rank, seq, tag, len(frames), fp)
+            receipt = await mesh.send(dst, env, frames if x.size else [])
+            while not receipt.done():  # the caller may modify x once send returns
+                if dst in mesh.closed_after:  # it will never be read
+                    raise mesh.peer_left_error(dst, "send to")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(receipt.wait(), _CHECK_PEER_S)
 
         return fp, send
 
@@ -84,11 +93,11 @@ class PointToPoint:
         """
         group = ("p2p", self._mesh.epoch)
         if src in self._mesh.closed_after and not self._mesh.mailbox.count(group, (src, tag)):
-            raise self._mesh.peer_left_error(src)
+            raise self._mesh.peer_left_error(src, "recv from")
         env, frames = await self._mesh.mailbox.get(group, (src, tag))
         if env is PEER_LEFT:  # src closed after its last message
             self._mesh.mailbox.put(group, (src, tag), (env, frames))  # for later receives
-            raise self._mesh.peer_left_error(src)
+            raise self._mesh.peer_left_error(src, "recv from")
         seq = self._received[(src, tag)] + 1
         fp = env.fingerprint
         if env.cid != seq:

@@ -53,16 +53,31 @@ class Plan:
 def loose_fingerprint(
     collective: str, x: object = None, op: object = None, root: object = None
 ) -> Fingerprint:
-    """A best-effort fingerprint of invalid arguments, sent with the abort they cause."""
+    """A best-effort fingerprint of invalid arguments, sent with the abort they cause.
+
+    Only values the wire accepts are kept (short names, integers in range), so the abort
+    is not itself refused as malformed by the peers.
+    """
     dtype = getattr(x, "dtype", None)
     shape = getattr(x, "shape", None)
+    if not (isinstance(shape, tuple) and len(shape) <= 64 and all(_valid_int(d) for d in shape)):
+        shape = None
     return Fingerprint(
         collective,
-        dtype=str(dtype)[:64] if dtype is not None else None,
-        shape=tuple(int(d) for d in shape) if isinstance(shape, tuple) else None,
-        op=str(getattr(op, "value", op))[:64] if op is not None else None,
-        root=root if type(root) is int and root >= 0 else None,
+        dtype=_short_name(dtype),
+        shape=shape,
+        op=_short_name(getattr(op, "value", op)),
+        root=root if type(root) is int and _valid_int(root) else None,
     )
+
+
+def _short_name(value: object) -> str | None:
+    text = str(value) if value is not None else ""
+    return text if 0 < len(text) <= 64 else None
+
+
+def _valid_int(value: object) -> bool:
+    return type(value) is int and 0 <= value < 1 << 63
 
 
 def _rows_view(x: Array) -> Array:
@@ -73,8 +88,9 @@ def _rows_view(x: Array) -> Array:
 class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_bytes: int) -> None:
         self._pools: dict[str, BufferPool] = {}
+        self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
 
     def pool(self, be: ArrayBackend) -> BufferPool:
         if be.name not in self._pools:
@@ -84,12 +100,15 @@ class Planner:
     # -- argument checks --------------------------------------------------------------------
 
     @staticmethod
-    def _array(x: object, what: str = "x", *, writable: bool = False) -> tuple[ArrayBackend, str]:
+    def _array(
+        x: object, what: str = "x", *, writable: bool = False
+    ) -> tuple[Array, ArrayBackend, str]:
+        """(x as a plain array sharing its memory, its backend, its dtype's wire name)."""
         be = backend_of(x, what)
         name = dtype_name(x.dtype)  # type: ignore[attr-defined]
         if writable and not x.flags.writeable:  # type: ignore[attr-defined]
             raise ConfigError(f"{what} is read-only, but this collective writes its result into it")
-        return be, name
+        return be.plain(x), be, name
 
     @staticmethod
     def _root(root: object, size: int) -> int:
@@ -116,12 +135,21 @@ class Planner:
     # -- reductions in place ----------------------------------------------------------------
 
     def all_reduce(self, x: Array, op: Any, algorithm: Any, size: int) -> Plan:
-        be, dtype = self._array(x, writable=True)
+        x, be, dtype = self._array(x, writable=True)
         reduce_op = check_op(op, dtype)
         algo = check_algorithm(algorithm)
         if algo == "auto":
             algo = choose_all_reduce(x.nbytes, size)
-        fp = Fingerprint("all_reduce", dtype, x.size, x.shape, reduce_op.value, None, algo)
+        fp = Fingerprint(
+            "all_reduce",
+            dtype,
+            x.size,
+            x.shape,
+            reduce_op.value,
+            None,
+            algo,
+            chunk_bytes=self._chunk,
+        )
 
         async def body(call: Call) -> Array:
             if call.size == 1:
@@ -140,9 +168,11 @@ class Planner:
 
     def reduce(self, x: Array, root: Any, op: Any, rank: int, size: int) -> Plan:
         root = self._root(root, size)
-        be, dtype = self._array(x, writable=rank == root)
+        x, be, dtype = self._array(x, writable=rank == root)
         reduce_op = check_op(op, dtype)
-        fp = Fingerprint("reduce", dtype, x.size, x.shape, reduce_op.value, root)
+        fp = Fingerprint(
+            "reduce", dtype, x.size, x.shape, reduce_op.value, root, chunk_bytes=self._chunk
+        )
 
         async def body(call: Call) -> Array | None:
             if call.size == 1:
@@ -159,8 +189,8 @@ class Planner:
 
     def broadcast(self, x: Array, root: Any, rank: int, size: int) -> Plan:
         root = self._root(root, size)
-        be, dtype = self._array(x, writable=rank != root)
-        fp = Fingerprint("broadcast", dtype, x.size, x.shape, None, root)
+        x, be, dtype = self._array(x, writable=rank != root)
+        fp = Fingerprint("broadcast", dtype, x.size, x.shape, None, root, chunk_bytes=self._chunk)
 
         async def body(call: Call) -> Array:
             if call.size == 1:
@@ -179,10 +209,12 @@ class Planner:
         return Plan(fp, body)
 
     def reduce_scatter(self, x: Array, op: Any) -> Plan:
-        be, dtype = self._array(x)
+        x, be, dtype = self._array(x)
         reduce_op = check_op(op, dtype)
         rows_x = _rows_view(x)
-        fp = Fingerprint("reduce_scatter", dtype, x.size, rows_x.shape, reduce_op.value)
+        fp = Fingerprint(
+            "reduce_scatter", dtype, x.size, rows_x.shape, reduce_op.value, chunk_bytes=self._chunk
+        )
 
         async def body(call: Call) -> Array:
             rows, trailing = rows_x.shape[0], rows_x.shape[1:]
@@ -208,9 +240,9 @@ class Planner:
     # -- data movement ----------------------------------------------------------------------
 
     def all_gather(self, x: Array) -> Plan:
-        be, dtype = self._array(x)
+        x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
-        fp = Fingerprint("all_gather", dtype, None, rows_x.shape[1:])
+        fp = Fingerprint("all_gather", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)
 
         async def body(call: Call) -> Array:
             block, copy = self._flat_input(be, rows_x)
@@ -222,9 +254,11 @@ class Planner:
 
     def gather(self, x: Array, root: Any, size: int) -> Plan:
         root = self._root(root, size)
-        be, dtype = self._array(x)
+        x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
-        fp = Fingerprint("gather", dtype, None, rows_x.shape[1:], None, root)
+        fp = Fingerprint(
+            "gather", dtype, None, rows_x.shape[1:], None, root, chunk_bytes=self._chunk
+        )
 
         async def body(call: Call) -> Array | None:
             block, copy = self._flat_input(be, rows_x)
@@ -237,7 +271,7 @@ class Planner:
     def scatter(self, x: Array | None, root: Any, rank: int, size: int) -> Plan:
         root = self._root(root, size)
         if rank != root:
-            fp = Fingerprint("scatter", root=root)
+            fp = Fingerprint("scatter", root=root, chunk_bytes=self._chunk)
 
             async def receive(call: Call) -> Array:
                 return await scatter_direct(call, NUMPY, None, 0, (), root)
@@ -245,9 +279,11 @@ class Planner:
             return Plan(fp, receive)
         if x is None:
             raise ConfigError(f"scatter: the root (rank {root}) must pass the array to scatter")
-        be, dtype = self._array(x)
+        x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
-        fp = Fingerprint("scatter", dtype, x.size, rows_x.shape, None, root)
+        fp = Fingerprint(
+            "scatter", dtype, x.size, rows_x.shape, None, root, chunk_bytes=self._chunk
+        )
 
         async def deal(call: Call) -> Array:
             flat, copy = self._flat_input(be, rows_x)
@@ -258,9 +294,9 @@ class Planner:
         return Plan(fp, deal)
 
     def all_to_all(self, x: Array) -> Plan:
-        be, dtype = self._array(x)
+        x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
-        fp = Fingerprint("all_to_all", dtype, None, rows_x.shape[1:])
+        fp = Fingerprint("all_to_all", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)
 
         async def body(call: Call) -> Array:
             flat, copy = self._flat_input(be, rows_x)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -46,7 +47,11 @@ class Runner:
         return float(budget)
 
     def on_loop(self, start: Callable[[], T]) -> T:
-        """Run start() on the communicator's loop, also when called from another thread."""
+        """Run start() on the communicator's loop, also when called from another thread.
+
+        From another thread the call waits until the loop has run it; the caller's context
+        variables go with it (the engine marks its ops with one).
+        """
         if self.closed:
             raise ConfigError("this communicator is closed")
         try:
@@ -57,15 +62,24 @@ class Runner:
             return start()
         if running is not None:
             raise ConfigError("this communicator belongs to another event loop")
+        if not self._loop.is_running():
+            raise ConfigError(
+                "collectives must be started from async code while the communicator's event "
+                "loop runs (or from a thread while it runs)"
+            )
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        context = contextvars.copy_context()
 
         def call() -> None:
             try:
-                done.set_result(start())
+                done.set_result(context.run(start))
             except BaseException as exc:  # handed to the calling thread
                 done.set_exception(exc)
 
-        self._loop.call_soon_threadsafe(call)
+        try:
+            self._loop.call_soon_threadsafe(call)
+        except RuntimeError:  # closed meanwhile
+            raise ConfigError("the communicator's event loop is closed") from None
         return done.result()
 
     # -- collectives ------------------------------------------------------------------------
@@ -73,27 +87,27 @@ class Runner:
     def collective(
         self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
     ) -> CollectiveHandle[Any]:
-        """Take the next collective id, plan the call and start it; returns its handle."""
+        """Take the next collective id, plan the call and start it; returns its handle.
 
-        def start() -> CollectiveHandle[Any]:
-            cid = self._mesh.next_cid
-            self._mesh.next_cid += 1
-            try:
-                budget = self.budget(timeout)
-                planned = plan()
-            except ConfigError as exc:
-                rejected = Call(self._mesh, cid, loose(), self._config.timeout)
-                reason = f"rank {self._mesh.rank} rejected its arguments: {exc}"
-                self._mesh.abort(rejected, "invalid", reason)
-                raise
-            call = Call(self._mesh, cid, planned.fingerprint, budget)
-            self._mesh.register(call)
-            task = self._loop.create_task(self._run(call, planned))
-            call.task = task
-            task.add_done_callback(lambda t: self._finished(call, t))
-            return CollectiveHandle(task, planned.fingerprint.collective, cid)
-
-        return self.on_loop(start)
+        Must run on the communicator's loop (see `on_loop`).
+        """
+        cid = self._mesh.next_cid
+        self._mesh.next_cid += 1
+        try:
+            budget = self.budget(timeout)
+            planned = plan()
+        except ConfigError as exc:
+            rejected = Call(self._mesh, cid, loose(), self._config.timeout)
+            reason = f"rank {self._mesh.rank} rejected its arguments: {exc}"
+            self._mesh.abort(rejected, "invalid", reason)
+            self._mesh.forget(cid)
+            raise
+        call = Call(self._mesh, cid, planned.fingerprint, budget)
+        self._mesh.register(call)
+        task = self._loop.create_task(self._run(call, planned))
+        call.task = task
+        task.add_done_callback(lambda t: self._finished(call, t))
+        return CollectiveHandle(task, planned.fingerprint.collective, cid)
 
     async def _run(self, call: Call, plan: Plan) -> Any:
         call.running = True
@@ -197,14 +211,14 @@ class Runner:
     # -- closing ----------------------------------------------------------------------------
 
     async def cancel_all(self) -> None:
-        """Cancel every call in flight (peers are told) and wait briefly for them to end."""
+        """Refuse new calls, cancel every call in flight (peers are told), wait briefly."""
+        self.closed = True
         tasks = [c.task for c in self._mesh.calls.values() if c.task is not None]
         tasks += [r.task for r in self._mesh.receives if r.task is not None]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
-        self.closed = True
 
 
 def _uncancel() -> None:

@@ -12,6 +12,7 @@ Modules, by role:
 
 * `var` — `Var`, the tag (and the threaded engine's per-var scheduling state);
 * `tagged` — `Tagged`, the lecture's `A.data` / `A.var` pair;
+* `context` — `current_op()`, the op running in this context;
 * `handle` — `OpHandle`, the op record and its awaitable face;
 * `graph` — wiring ops into the dependency graph, releasing them, poison rules;
 * `engine` — `Engine`: runs ops on the loop or the thread pool, waits, cancels, closes;
@@ -25,10 +26,11 @@ The engine knows nothing about networks; the communicator pushes collectives int
 
 from __future__ import annotations
 
+from .context import current_op
 from .engine import Engine
 from .handle import OpHandle
 from .serial import SerialEngine
 from .tagged import Tagged
 from .var import Var
 
-__all__ = ["Engine", "OpHandle", "SerialEngine", "Tagged", "Var"]
+__all__ = ["Engine", "OpHandle", "SerialEngine", "Tagged", "Var", "current_op"]

@@ -49,6 +49,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import EngineBase
+from .context import running
 from .graph import first_poison, inherit, link, release
 from .handle import Countdown, OpHandle, Poison, Status
 from .inbox import Inbox
@@ -126,6 +127,11 @@ class Engine(EngineBase):
         if error is not None:
             raise error
 
+    def is_busy(self, var: Var) -> bool:
+        """True while an op pushed earlier that reads or mutates `var` has not finished."""
+        self._check_var(var)
+        return var._writer is not None or bool(var._readers)
+
     def clear_error(self, var: Var) -> None:
         """Clear `var`'s poison for the ops pushed after this call (earlier ones keep it)."""
         self._check_var(var)
@@ -191,7 +197,8 @@ class Engine(EngineBase):
     def _start_coro(self, op: Op) -> None:
         assert op._fn is not None
         try:
-            awaitable = op._fn()
+            with running(op):
+                awaitable = op._fn()
         except Exception as exc:
             self._finish(op, None, exc)
             return
@@ -220,7 +227,8 @@ class Engine(EngineBase):
         error: BaseException | None = None
         value: object = None
         try:
-            value = fn()
+            with running(op):
+                value = fn()
         except BaseException as exc:  # not swallowed: it becomes the op's outcome
             error = exc
         inbox.put((op, value, error, start, time.perf_counter(), threading.get_ident()))
@@ -241,7 +249,8 @@ class Engine(EngineBase):
 
     def _await_on_loop(self, op: Op, awaitable: Awaitable[Any]) -> None:
         assert self._loop is not None
-        op._task = self._loop.create_task(self._drive(op, awaitable))
+        with running(op):  # the task copies the context: current_op() is op inside it
+            op._task = self._loop.create_task(self._drive(op, awaitable))
 
     async def _drive(self, op: Op, awaitable: Awaitable[Any]) -> None:
         """Await an op's awaitable as a task on the loop, then finish the op."""

@@ -11,7 +11,6 @@ the next group. Malformed messages are dropped and counted; the registry keeps s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,9 +43,8 @@ class Registry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
         self._endpoint: Endpoint | None = None
-        self._outbox: asyncio.Queue[tuple[bytes, Envelope]] = asyncio.Queue()
-        self._sender: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
+        self.undelivered = 0  # replies dropped: the peer was gone or did not read
         self._joining: dict[str, _Joiner] = {}
         self._view: View | None = None
         self._left: set[str] = set()
@@ -65,7 +63,6 @@ class Registry:
             max_envelope_bytes=self.config.max_message_bytes,
             name="registry",
         )
-        self._sender = asyncio.get_running_loop().create_task(self._send_loop())
         log.info("registry serving on %s", self._endpoint.address)
         return self
 
@@ -91,10 +88,6 @@ class Registry:
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._sender is not None:
-            self._sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sender
         if self._endpoint is not None:
             await self._endpoint.aclose()
 
@@ -109,14 +102,10 @@ class Registry:
         handler(sender, env)
 
     def _reply(self, identity: bytes, kind: Kind, body: dict[str, Any]) -> None:
-        self._outbox.put_nowait((identity, Envelope(kind, self._epoch, body=body)))
-
-    async def _send_loop(self) -> None:
         assert self._endpoint is not None
-        while True:
-            identity, env = await self._outbox.get()
-            if not await self._endpoint.send(identity, env):
-                log.info("could not reach %r for %s; it left", identity[:32], env.kind.name)
+        if not self._endpoint.send_nowait(identity, Envelope(kind, self._epoch, body=body)):
+            self.undelivered += 1
+            log.info("could not deliver %s to %r (gone, or not reading)", kind.name, identity[:32])
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -206,6 +195,7 @@ class Registry:
             "joining": [j.member.to_wire() for j in self._joining.values()],
             "world_size": view.size if view else self._target_size(),
             "dropped_messages": self.dropped_messages,
+            "undelivered_replies": self.undelivered,
         }
 
     def _target_size(self) -> int:

@@ -228,17 +228,20 @@ class Endpoint:
     def received(self) -> int:
         return self._reader.received
 
-    async def send(self, identity: bytes, env: Envelope, payload: Sequence[Any] = ()) -> bool:
-        """Send to a connected peer by identity; False if it is not connected (dropped)."""
+    def send_nowait(self, identity: bytes, env: Envelope, payload: Sequence[Any] = ()) -> bool:
+        """Send to a connected peer by identity without waiting.
+
+        Returns False (nothing sent) when that peer is not connected or does not read what
+        it is sent (its queue is full): one slow peer must not stall replies to others.
+        """
         try:
-            await _send(self._sock, [identity, *_frames(env, payload)])
+            return _try_send(self._sock, [identity, *_frames(env, payload)])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
             raise DsmlError(f"send on {self.address} failed: {exc}") from None
         finally:
             self._reader.kick()
-        return True
 
     async def aclose(self) -> None:
         await self._reader.aclose()

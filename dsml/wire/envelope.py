@@ -60,12 +60,13 @@ class Fingerprint:
     op: str | None = None
     root: int | None = None
     algorithm: str | None = None
+    chunk_bytes: int | None = None  # pipeline chunk: both sides must cut messages alike
 
     def conflicts(self, other: Fingerprint) -> list[str]:
         """Names of the fields that both know and that differ."""
         if other is self or other == self:
             return []
-        names = ("collective", "dtype", "count", "shape", "op", "root", "algorithm")
+        names = ("collective", "dtype", "count", "shape", "op", "root", "algorithm", "chunk_bytes")
         return [
             name
             for name in names
@@ -98,12 +99,13 @@ class Fingerprint:
             self.op,
             self.root,
             self.algorithm,
+            self.chunk_bytes,
         ]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Fingerprint:
         """Validate an untrusted wire fingerprint (cached: peers repeat the same few)."""
-        if isinstance(raw, list) and len(raw) == 7 and isinstance(raw[3], list | None):
+        if isinstance(raw, list) and len(raw) == 8 and isinstance(raw[3], list | None):
             # Types are part of the key: True == 1 and 1.0 == 1 must not hit a valid entry.
             shape = tuple((type(d), d) for d in raw[3]) if raw[3] is not None else None
             key = (*((type(v), v) for v in raw[:3]), shape, *((type(v), v) for v in raw[4:]))
@@ -115,22 +117,23 @@ class Fingerprint:
 
 
 def _check_fingerprint(raw: Any) -> Fingerprint:
-    if not isinstance(raw, list | tuple) or len(raw) != 7:
-        raise ProtocolError("fingerprint must be an array of 7 items")
-    collective, dtype, count, shape, op, root, algorithm = raw
+    if not isinstance(raw, list | tuple) or len(raw) != 8:
+        raise ProtocolError("fingerprint must be an array of 8 items")
+    collective, dtype, count, shape, op, root, algorithm, chunk_bytes = raw
     _check_name(collective, "fingerprint.collective", optional=False)
     _check_name(dtype, "fingerprint.dtype")
     _check_name(op, "fingerprint.op")
     _check_name(algorithm, "fingerprint.algorithm")
     _check_int(count, "fingerprint.count", optional=True)
     _check_int(root, "fingerprint.root", optional=True)
+    _check_int(chunk_bytes, "fingerprint.chunk_bytes", optional=True)
     if shape is not None:
         if not isinstance(shape, list | tuple) or len(shape) > _MAX_DIMS:
             raise ProtocolError("fingerprint.shape must be an array of at most 64 integers")
         for dim in shape:
             _check_int(dim, "fingerprint.shape")
         shape = tuple(shape)
-    return Fingerprint(collective, dtype, count, shape, op, root, algorithm)
+    return Fingerprint(collective, dtype, count, shape, op, root, algorithm, chunk_bytes)
 
 
 def _cached_fingerprint(key: tuple[Any, ...], raw: list[Any]) -> Fingerprint:
