@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,47 @@ SCRIPTS = ROOT / "tests" / "scripts"
 DSML = [sys.executable, "-m", "dsml"]
 
 pytestmark = pytest.mark.multiprocess
+
+
+@contextlib.contextmanager
+def standalone_registry():
+    """A `dsml registry` process on a free port; yields its address; stopped by SIGTERM."""
+    proc = subprocess.Popen(
+        [*DSML, "registry", "--address", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        address = line.strip().rsplit(" ", 1)[-1]
+        assert address.startswith("tcp://127.0.0.1:"), line
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+    assert proc.returncode == 0
+
+
+def start_waiting_ranks(n: int) -> tuple[subprocess.Popen[str], list[int]]:
+    """`dsml run -n N wait_forever.py` once every rank said it is ready; (process, pids)."""
+    proc = subprocess.Popen(
+        [*DSML, "run", "-n", str(n), str(SCRIPTS / "wait_forever.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    pids: list[int] = []
+    while len(pids) < n:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        if "ready" in line:
+            pids.append(int(line.split()[-1]))
+    return proc, pids
 
 
 def dsml_cmd(*args: str, timeout: float = 60, env: dict[str, str] | None = None):
@@ -81,20 +123,7 @@ def test_a_failing_rank_stops_the_job_and_is_named_with_its_error():
 
 
 def test_interrupting_the_launcher_reaches_every_rank_and_ends_them():
-    proc = subprocess.Popen(
-        [*DSML, "run", "-n", "2", str(SCRIPTS / "wait_forever.py")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    pids = []
-    assert proc.stdout is not None
-    while len(pids) < 2:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        if "ready" in line:
-            pids.append(int(line.split()[-1]))
+    proc, pids = start_waiting_ranks(2)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130
@@ -156,41 +185,17 @@ def test_status_exits_1_when_no_registry_answers():
 
 
 def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():
-    proc = subprocess.Popen(
-        [*DSML, "registry", "--address", "tcp://127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        address = line.strip().rsplit(" ", 1)[-1]
-        assert address.startswith("tcp://127.0.0.1:"), line
+    with standalone_registry() as address:
         run = dsml_cmd("run", "-n", "2", "--registry", address, "examples/hello_all_reduce.py")
         assert run.returncode == 0, run.stderr
         status = dsml_cmd("status", "--registry", address, "--json")
         assert status.returncode == 0
         assert json.loads(status.stdout)["epoch"] == 1
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=10)
-    assert proc.returncode == 0
 
 
 def test_a_registry_serves_the_next_job_after_a_job_whose_rank_failed():
     """Stopped ranks leave the group (SIGINT, not SIGTERM), so the registry is reusable."""
-    proc = subprocess.Popen(
-        [*DSML, "registry", "--address", "tcp://127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert proc.stdout is not None
-        address = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+    with standalone_registry() as address:
         failed = dsml_cmd(
             "run",
             "-n",
@@ -205,25 +210,19 @@ def test_a_registry_serves_the_next_job_after_a_job_whose_rank_failed():
         ok = dsml_cmd("run", "-n", "2", "--registry", address, "examples/hello_all_reduce.py")
         assert ok.returncode == 0, ok.stderr
         assert json.loads(dsml_cmd("status", "--registry", address, "--json").stdout)["epoch"] == 2
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=10)
 
 
 def test_sigterm_to_the_launcher_lets_every_rank_close():
-    proc = subprocess.Popen(
-        [*DSML, "run", "-n", "2", str(SCRIPTS / "wait_forever.py")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stdout is not None
-    ready = 0
-    while ready < 2:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        ready += "ready" in line
+    proc, _ = start_waiting_ranks(2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert out.count("interrupted") == 2  # each rank got KeyboardInterrupt and closed
+
+
+def test_the_engine_example_runs_the_lecture_program_on_four_ranks():
+    result = dsml_cmd("run", "-n", "4", "examples/engine_lecture.py")
+    assert result.returncode == 0, result.stderr
+    for rank in range(4):
+        a = 2 * (rank + 1)
+        line = f"[rank {rank}] rank {rank}: A={a} B=allreduce(A)=20 C=A+1={a + 1} D=A*B={a * 20}"
+        assert line in result.stdout

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
@@ -25,6 +25,7 @@ from dsml import CommConfig, RegistryConfig
 from dsml.membership import query_status
 from dsml.testing import open_local_cluster
 from dsml.wire import Envelope, Fingerprint, Kind, decode, encode
+from tests.waiting import eventually
 
 PATIENT = CommConfig(timeout=30, join_timeout=10, registry_timeout=5)
 Frames = list[bytes]
@@ -76,16 +77,6 @@ async def attacker() -> AsyncIterator[Attacker]:
         yield attack
     finally:
         attack.close()
-
-
-async def eventually(predicate: Callable[[], bool], what: str, within: float = 2.0) -> None:
-    """Poll a counter (counters have no event to wait on) until predicate() holds."""
-    try:
-        async with asyncio.timeout(within):
-            while not predicate():  # noqa: ASYNC110 (no event to wait on)
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {within} s: {what}") from None
 
 
 def packed(value: Any) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,18 +18,9 @@ from dsml import (
     RegistryUnavailableError,
 )
 from dsml.membership import query_status
+from tests.waiting import eventually
 
 FAST = CommConfig(join_timeout=10, registry_timeout=5)
-
-
-async def eventually(predicate: Callable[[], bool], what: str, within: float = 2.0) -> None:
-    """Poll registry state (it has no event to wait on) until predicate() holds."""
-    try:
-        async with asyncio.timeout(within):
-            while not predicate():  # noqa: ASYNC110 (no event to wait on)
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {within} s: {what}") from None
 
 
 def joining(registry: dsml.Registry) -> int:
