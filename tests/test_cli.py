@@ -44,10 +44,12 @@ def standalone_registry():
     assert proc.returncode == 0
 
 
-def start_waiting_ranks(n: int) -> tuple[subprocess.Popen[str], list[int]]:
-    """`dsml run -n N wait_forever.py` once every rank said it is ready; (process, pids)."""
+def start_waiting_ranks(
+    n: int, script: str = "wait_forever.py", *options: str
+) -> tuple[subprocess.Popen[str], list[int]]:
+    """`dsml run -n N script` once every rank said it is ready; (process, pids)."""
     proc = subprocess.Popen(
-        [*DSML, "run", "-n", str(n), str(SCRIPTS / "wait_forever.py")],
+        [*DSML, "run", "-n", str(n), *options, str(SCRIPTS / script)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -217,6 +219,16 @@ def test_sigterm_to_the_launcher_lets_every_rank_close():
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert out.count("interrupted") == 2  # each rank got KeyboardInterrupt and closed
+
+
+def test_ranks_that_ignore_the_stop_signal_are_killed_after_the_grace_period():
+    proc, pids = start_waiting_ranks(2, "ignore_sigint.py", "--grace", "1")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)  # would hang if the launcher waited forever
+    assert proc.returncode == 130
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_the_engine_example_runs_the_lecture_program_on_four_ranks():

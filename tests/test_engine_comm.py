@@ -12,6 +12,7 @@ import pytest
 from dsml import (
     CollectiveAbortedError,
     CollectiveMismatchError,
+    CollectiveTimeoutError,
     CommConfig,
     ConfigError,
     DependencyFailedError,
@@ -190,3 +191,107 @@ async def test_a_rejected_issue_does_not_poison_the_order_of_later_collectives()
         assert isinstance(first0, CollectiveMismatchError | CollectiveAbortedError)
         assert (b0 == 2).all()
         assert (b1 == 2).all()
+
+
+async def test_a_collective_called_inside_an_op_that_reads_comm_var_does_not_wait_for_itself():
+    async with open_local_cluster(2, config=CommConfig(timeout=10)) as cluster:
+
+        async def program(comm):
+            async def inside():
+                return await comm.all_reduce(np.ones(3))
+
+            return await comm.engine.push(inside, read=[comm.var])
+
+        for result in await cluster.run(program):
+            assert (result == 2).all()
+
+
+async def test_a_direct_call_inside_an_op_then_a_pushed_collective_do_not_deadlock():
+    async with open_local_cluster(2, config=CommConfig(timeout=10)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            d = engine.tag("d", np.ones(3))
+
+            async def b():
+                return await comm.all_reduce(np.full(3, 5.0))
+
+            first = engine.push(b, mutate=[d.var])
+            second = comm.push_all_reduce(d)
+            return await first, await second
+
+        for first, second in await cluster.run(program):
+            assert (first == 10).all()
+            assert (second == 2).all()
+
+
+async def test_a_poisoned_input_on_one_rank_fails_the_collective_everywhere_and_ids_stay_in_step():
+    async with open_local_cluster(2, config=CommConfig(timeout=10)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            g = engine.tag("g", np.ones(4))
+
+            def produce():
+                if comm.rank == 0:
+                    raise RuntimeError("rank 0 lost its batch")
+
+            engine.push(produce, mutate=[g.var])
+            failed = await asyncio.gather(comm.push_all_reduce(g), return_exceptions=True)
+            h = engine.tag("h", np.full(4, 3.0))
+            after = await comm.push_all_reduce(h)  # same shape as g: would pair silently
+            return failed[0], after
+
+        (error0, h0), (error1, h1) = await cluster.run(program)
+        assert isinstance(error0, DependencyFailedError)
+        assert isinstance(error1, CollectiveAbortedError)
+        assert "poisoned" in str(error1)
+        assert (h0 == 6).all()
+        assert (h1 == 6).all()
+
+
+async def test_a_queued_direct_call_that_is_cancelled_is_still_given_up_on_every_rank():
+    async with open_local_cluster(2, config=CommConfig(timeout=10)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            g = engine.tag("g", np.ones(2))
+            gate = asyncio.Event()
+
+            async def produce():
+                await gate.wait()
+
+            engine.push(produce, mutate=[g.var])
+            comm.push_all_reduce(g)
+            queued = comm.all_reduce(np.ones(2))  # waits behind the pushed one
+            if comm.rank == 0:
+                queued.cancel()
+            gate.set()
+            outcome = await asyncio.gather(queued, return_exceptions=True)
+            await engine.wait_all()
+            later = await comm.all_reduce(np.full(2, 4.0))  # ids are still in step
+            return outcome[0], later
+
+        (first0, later0), (first1, later1) = await cluster.run(program)
+        assert isinstance(first0, asyncio.CancelledError)
+        # Rank 1 either had everything already (cancellation semantics) or was told.
+        assert isinstance(first1, CollectiveAbortedError) or (first1 == 2).all()
+        assert (later0 == 8).all()
+        assert (later1 == 8).all()
+
+
+async def test_waiting_behind_pushed_collectives_counts_against_the_timeout():
+    async with open_local_cluster(1) as cluster:
+        comm = cluster[0]
+        g = comm.engine.tag("g", np.ones(2))
+        gate = asyncio.Event()
+
+        async def produce():
+            await gate.wait()
+
+        comm.engine.push(produce, mutate=[g.var])
+        comm.push_all_reduce(g)
+        with pytest.raises(CollectiveTimeoutError, match=r"pushed into comm\.engine"):
+            await comm.barrier(timeout=0.2)
+        gate.set()
+        await comm.engine.wait_all()

@@ -283,3 +283,16 @@ async def test_bad_arguments_raise_config_error_at_the_call(call, message):
         x = np.arange(3)
         received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
         assert_same_array(received, x)
+
+
+async def test_sends_keep_their_order_when_the_peer_queue_is_full(monkeypatch):
+    """A send that must wait for room is not overtaken by later ones (tiny queues here)."""
+    import dsml.transport.sockets as sockets
+
+    monkeypatch.setattr(sockets, "_HWM", 4)
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        n = 400
+        sends = [cluster[0].send(np.array([i]), 1) for i in range(n)]
+        received = [int((await cluster[1].recv(0))[0]) for _ in range(n)]
+        await asyncio.gather(*sends)
+        assert received == list(range(n))

@@ -122,6 +122,7 @@ class Launch:
         self._stdout = stdout or sys.stdout
         self._stderr = stderr or sys.stderr
         self._procs: list[asyncio.subprocess.Process] = []
+        self._signalled: set[int] = set()  # ranks this launcher sent a signal to
         self._output_closed = False
         self._tails = [collections.deque[str](maxlen=_TAIL_LINES) for _ in range(world_size)]
 
@@ -159,8 +160,7 @@ class Launch:
             self._pump(rank, "stdout", proc.stdout), self._pump(rank, "stderr", proc.stderr)
         )
         code = await proc.wait()
-        stopped = self.failures and code in (-signal.SIGINT, -signal.SIGKILL, 130)
-        if code != 0 and not self.interrupted and not stopped:
+        if code != 0 and not self.interrupted and rank not in self._signalled:
             failure = Failure(rank, code, list(self._tails[rank]))
             self.failures.append(failure)
             if len(self.failures) == 1:
@@ -206,13 +206,20 @@ class Launch:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.interrupted += 1
-        self._kill_all(signal.SIGINT if self.interrupted == 1 else signal.SIGKILL)
+        if self.interrupted > 1:
+            self._kill_all(signal.SIGKILL)
+            return
+        self._kill_all(signal.SIGINT)
+        # A rank that ignores SIGINT or hangs while closing must not keep us alive.
+        asyncio.get_running_loop().call_later(self._grace_s, self._kill_all, signal.SIGKILL)
 
     def _kill_all(self, sig: signal.Signals) -> None:
-        for proc in self._procs:
+        """Signal every running rank's process group (a wrapper's children too)."""
+        for rank, proc in enumerate(self._procs):
             if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(sig)
+                self._signalled.add(rank)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)  # each rank leads its own session and group
 
     def _exit_code(self) -> int:
         if self.failure is not None:

@@ -22,5 +22,8 @@ async def together(main: Coroutine[Any, Any, T], beside: Coroutine[Any, Any, Any
             result = group.create_task(main)
             group.create_task(beside)
     except BaseExceptionGroup as failures:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # our own cancellation comes first
+            raise asyncio.CancelledError from None
         raise failures.exceptions[0] from None
     return result.result()

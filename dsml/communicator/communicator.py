@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from ..config import CommConfig
-from ..engine import Engine, OpHandle, Tagged, Var, current_op
+from ..engine import Engine, OpHandle, Tagged, Var
 from ..membership import RegistryClient, View
 from ..wire import Fingerprint
 from .call import Call
+from .engine_link import EngineLink
 from .handle import CollectiveHandle
 from .mesh import Mesh
 from .p2p import PointToPoint
@@ -46,8 +47,7 @@ class Communicator:
         self._runner = Runner(mesh, config, loop)
         self._planner = Planner(config.chunk_bytes)
         self._p2p = PointToPoint(mesh)
-        self._engine: Engine | None = None
-        self._var: Var | None = None
+        self._link = EngineLink(self._runner, lambda: (self.rank, self.epoch))
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -182,55 +182,11 @@ class Communicator:
         self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
     ) -> CollectiveHandle[Any]:
         def start() -> CollectiveHandle[Any]:
-            if self._behind_engine():
-                return self._queue_behind_engine(plan, loose, timeout)
+            if self._link.must_queue():
+                return self._link.queue(plan, loose, timeout)
             return self._runner.collective(plan, loose, timeout)
 
         return self._runner.on_loop(start)
-
-    def _behind_engine(self) -> bool:
-        """Must a call wait for collectives pushed into the engine but not issued yet?
-
-        Collective ids follow the order of issue. A call made outside the engine while
-        pushed collectives are still waiting could be issued before them on one rank and
-        after them on another, and pair with the wrong call silently. So such a call
-        queues behind them (through `comm.var`), which is the same order on every rank.
-        """
-        if self._engine is None or self._var is None or not self._engine.is_busy(self._var):
-            return False
-        op = current_op()
-        return op is None or self._var not in op.mutates
-
-    def _queue_behind_engine(
-        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
-    ) -> CollectiveHandle[Any]:
-        issued: list[CollectiveHandle[Any] | BaseException] = []
-        abandoned = False
-
-        async def issue() -> None:
-            try:
-                issued.append(self._runner.collective(plan, loose, timeout))
-            except Exception as exc:  # an id was taken all the same: comm.var stays clean
-                issued.append(exc)
-                return
-            if abandoned:  # cancelled while queued: tell the peers, as any cancel does
-                cast(CollectiveHandle[Any], issued[0]).cancel()
-
-        op = self.engine.push(issue, mutate=[self.var], name="issue queued collective")
-
-        async def wait() -> Any:
-            nonlocal abandoned
-            try:
-                await asyncio.shield(op)
-            except asyncio.CancelledError:
-                abandoned = True
-                raise
-            outcome = issued[0]
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return await outcome
-
-        return CollectiveHandle(asyncio.get_running_loop().create_task(wait()), "queued", 0)
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -278,16 +234,12 @@ class Communicator:
     @property
     def engine(self) -> Engine:
         """This rank's dependency engine (created on first use, closed with the communicator)."""
-        if self._engine is None:
-            self._engine = Engine(name=f"rank {self.rank}")
-        return self._engine
+        return self._link.engine
 
     @property
     def var(self) -> Var:
         """The var that orders collectives in the engine: push them with it in `mutate`."""
-        if self._var is None:
-            self._var = self.engine.new_var("comm")
-        return self._var
+        return self._link.var
 
     def push_all_reduce(
         self, tagged: Tagged[Array], op: Any = "sum", *, read: Iterable[Var] = (), **options: Any
@@ -298,13 +250,14 @@ class Communicator:
         `read`) and for the previous collective to be *issued* (it mutates `comm.var`), then
         starts the all_reduce; the second waits for it to finish and mutates `tagged.var`,
         so later readers of the data see the result. Collectives are thus issued in push
-        order on every rank yet several can be in flight. A failed all_reduce poisons
-        `tagged.var` (not `comm.var`). `options` are all_reduce's (algorithm, timeout).
+        order on every rank yet several can be in flight. The first op takes its turn even
+        if `tagged.var` is poisoned: it then fails the collective on every rank instead of
+        leaving the ranks' collective ids out of step. `options` are all_reduce's.
         """
-        return self._push_collective(
+        return self._link.push_collective(
             tagged,
             read,
-            f"all_reduce({tagged.var.name})",
+            lambda: loose_fingerprint("all_reduce", tagged.data, op),
             lambda: self.all_reduce(tagged.data, op, **options),
         )
 
@@ -312,39 +265,12 @@ class Communicator:
         self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
     ) -> OpHandle[Array]:
         """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
-        return self._push_collective(
+        return self._link.push_collective(
             tagged,
             (),
-            f"broadcast({tagged.var.name})",
+            lambda: loose_fingerprint("broadcast", tagged.data, None, root),
             lambda: self.broadcast(tagged.data, root, timeout=timeout),
         )
-
-    def _push_collective(
-        self,
-        tagged: Tagged[Array],
-        read: Iterable[Var],
-        name: str,
-        start: Callable[[], CollectiveHandle[Array]],
-    ) -> OpHandle[Array]:
-        started: list[CollectiveHandle[Array] | BaseException] = []
-
-        async def issue() -> None:
-            # Even a call rejected here took its collective id: the next one is the next
-            # on every rank, so the error belongs to the data, not to comm.var.
-            try:
-                started.append(start())
-            except Exception as exc:
-                started.append(exc)
-
-        async def complete() -> Array:
-            outcome = started[0]
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return await outcome
-
-        mutate = [tagged.var, self.var]
-        self.engine.push(issue, read=read, mutate=mutate, name=f"issue {name}")
-        return self.engine.push(complete, mutate=[tagged.var], name=name)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -357,8 +283,7 @@ class Communicator:
         """
         if self._runner.closed:
             return
-        if self._engine is not None:
-            await self._engine.aclose(cancel=cancel or error is not None)
+        await self._link.aclose(cancel=cancel or error is not None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
         await self._mesh.aclose(reason)

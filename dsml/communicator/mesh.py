@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ..collectives.group import Lane
 from ..config import CommConfig
@@ -36,6 +36,7 @@ _MAX_AHEAD = 1 << 20  # how far past our newest call a peer's collective id may 
 _LANES = {Kind.CHUNK: Lane.DATA, Kind.CONFIRM: Lane.CONFIRM}
 
 Item = tuple[Envelope, list[memoryview]]
+T = TypeVar("T")
 
 #: Queued behind a closed peer's last point-to-point messages: receiving it means "no more".
 PEER_LEFT = Envelope(Kind.GOODBYE)
@@ -64,6 +65,8 @@ class Mesh:
         self._held_bytes = 0
         self._probing: set[tuple[int, int]] = set()
         self._background: set[asyncio.Task[Any]] = set()
+        self._backlog: dict[int, int] = {}  # per peer: sends waiting for room
+        self._turns: dict[int, asyncio.Lock] = {}
         self._handlers: dict[Kind, Callable[[int, Envelope, list[memoryview]], None]] = {
             Kind.CHUNK: self.handle_chunk,
             Kind.CONFIRM: self.handle_chunk,
@@ -123,15 +126,41 @@ class Mesh:
     # -- sending ----------------------------------------------------------------------------
 
     async def send(self, peer: int, env: Envelope, payload: Sequence[Any] = ()) -> Sent:
-        """Queue a message to the peer of that rank."""
-        channel = self._channels[peer]
-        return channel.send_nowait(env, payload) or await channel.send(env, payload)
+        """Queue a message to the peer of that rank (see `try_send` and `send_in_turn`)."""
+        return self.try_send(peer, env, payload) or await self.send_in_turn(peer, env, payload)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run a fire-and-forget coroutine owned by the mesh (awaited on close)."""
+    def try_send(self, peer: int, env: Envelope, payload: Sequence[Any] = ()) -> Sent | None:
+        """Queue a message now if nothing to that peer is waiting for room; else None."""
+        if self._backlog.get(peer):
+            return None  # messages wait for room: do not overtake them
+        return self._channels[peer].send_nowait(env, payload)
+
+    def send_in_turn(
+        self, peer: int, env: Envelope, payload: Sequence[Any] = ()
+    ) -> asyncio.Task[Sent]:
+        """Queue a message once the messages to that peer before it are queued (FIFO).
+
+        Only needed when the peer's queue was full (a slow or absent peer). The message
+        waits in a task of the mesh, counted at once, so later sends queue behind it
+        even before that task has started; cancelling the caller does not unsend it.
+        """
+        self._backlog[peer] = self._backlog.get(peer, 0) + 1
+        task = self.spawn(self._send_in_turn(peer, env, payload))
+        task.add_done_callback(
+            lambda _task: self._backlog.__setitem__(peer, self._backlog[peer] - 1)
+        )
+        return task
+
+    async def _send_in_turn(self, peer: int, env: Envelope, payload: Sequence[Any]) -> Sent:
+        async with self._turns.setdefault(peer, asyncio.Lock()):
+            return await self._channels[peer].send(env, payload)
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run a coroutine owned by the mesh (awaited on close); returns its task."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._reap)
+        return task
 
     def _reap(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)

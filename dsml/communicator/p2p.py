@@ -66,12 +66,17 @@ class PointToPoint:
                 flat = be.empty(x.size, x.dtype.newbyteorder("="))
                 be.copy_flat(x, flat)
             frames = [be.payload(flat, lo, hi) for lo, hi in chunk_spans((0, x.size), frame_elems)]
-            # Numbered only now, in the same step as the send: a send cancelled before it
-            # ran leaves no gap in the (dst, tag) stream. Sends start in call order.
+            # Numbered only now, in the same step as it is queued (sends start in call
+            # order), so a send cancelled before it ran leaves no gap in the (dst, tag)
+            # stream. If the peer's queue is full the message waits its turn in a task of
+            # the mesh: cancelling this send then stops the waiting here, not the message.
             self._sent[(dst, tag)] += 1
             seq = self._sent[(dst, tag)]
             env = Envelope(Kind.PEER_MESSAGE, mesh.epoch, mesh.rank, seq, tag, len(frames), fp)
-            receipt = await mesh.send(dst, env, frames if x.size else [])
+            parts = frames if x.size else []
+            receipt = mesh.try_send(dst, env, parts)
+            if receipt is None:
+                receipt = await asyncio.shield(mesh.send_in_turn(dst, env, parts))
             while not receipt.done():  # the caller may modify x once send returns
                 if dst in mesh.closed_after:  # it will never be read
                     raise mesh.peer_left_error(dst, "send to")

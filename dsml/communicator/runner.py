@@ -109,6 +109,21 @@ class Runner:
         task.add_done_callback(lambda t: self._finished(call, t))
         return CollectiveHandle(task, planned.fingerprint.collective, cid)
 
+    def reject(self, fingerprint: Fingerprint, reason: str) -> None:
+        """Take the next collective id without running it, and fail it on every peer.
+
+        For a call this rank cannot make (its input is poisoned): its turn is taken like
+        any other, so the ranks' collective ids stay in step, and the peers fail loudly
+        rather than pair this id with a later call.
+        """
+        cid = self._mesh.next_cid
+        self._mesh.next_cid += 1
+        rejected = Call(self._mesh, cid, fingerprint, self._config.timeout)
+        self._mesh.abort(
+            rejected, "failed", f"rank {self._mesh.rank} could not take part: {reason}"
+        )
+        self._mesh.forget(cid)
+
     async def _run(self, call: Call, plan: Plan) -> Any:
         call.running = True
         try:

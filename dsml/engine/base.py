@@ -81,6 +81,8 @@ class EngineBase(ABC):
         read: Iterable[Var] = (),
         mutate: Iterable[Var] = (),
         name: str | None = None,
+        *,
+        always_run: bool = False,
     ) -> OpHandle[T]: ...
     @overload
     def push(
@@ -89,6 +91,8 @@ class EngineBase(ABC):
         read: Iterable[Var] = (),
         mutate: Iterable[Var] = (),
         name: str | None = None,
+        *,
+        always_run: bool = False,
     ) -> OpHandle[T]: ...
     def push(
         self,
@@ -96,6 +100,8 @@ class EngineBase(ABC):
         read: Iterable[Var] = (),
         mutate: Iterable[Var] = (),
         name: str | None = None,
+        *,
+        always_run: bool = False,
     ) -> OpHandle[Any]:
         """Schedule `fn` after the ops it depends on; return its handle at once.
 
@@ -103,11 +109,16 @@ class EngineBase(ABC):
         engine's thread pool; an awaitable it returns is then awaited on the loop). Must be
         called from the thread running the engine's event loop.
 
+        With `always_run`, the op runs in its turn even if a var it touches is poisoned
+        (and, if it succeeds, the vars it mutates are clean again). The communicator uses
+        it for the ops that take a collective's turn: every rank must take it.
+
         Raises:
             ConfigError: `fn` is not callable, or a var is not one of this engine's.
             RuntimeError: the engine is closed, or this is not its loop's thread.
         """
         op = self._new_op(fn, read, mutate, name)
+        op._always_run = always_run
         self._schedule(op)
         return op
 

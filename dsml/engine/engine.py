@@ -185,9 +185,12 @@ class Engine(EngineBase):
         if hit is not None:
             var, poison = hit
             error = dependency_error(f"op {op.name!r} did not run", var, poison)
-            self._record_outcome(op, Status.FAILED, error, poison)
-            self._release(op)
-            return
+            if op._always_run:
+                op.blocked = error  # it runs all the same and may act on this
+            else:
+                self._record_outcome(op, Status.FAILED, error, poison)
+                self._release(op)
+                return
         self._mark_running(op)
         if op._is_coro:
             self._start_coro(op)

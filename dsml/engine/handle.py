@@ -79,6 +79,7 @@ class OpHandle(Generic[T]):
     """
 
     __slots__ = (
+        "_always_run",
         "_dependents",
         "_fn",
         "_inherited",
@@ -96,6 +97,7 @@ class OpHandle(Generic[T]):
         "_t_push",
         "_task",
         "_value",
+        "blocked",
         "name",
         "seq",
     )
@@ -128,6 +130,10 @@ class OpHandle(Generic[T]):
         self._node_done = False
         self._node_waiters: list[Countdown] | None = None
         self._outcome_waiters: list[asyncio.Future[None]] | None = None
+        self._always_run = False  # run even when a var it touches is poisoned
+        # For an always_run op that ran despite a poisoned var: the error it would have
+        # failed with otherwise, so its function can act on it.
+        self.blocked: BaseException | None = None
         self._t_push = 0.0
 
     # -- public, asyncio-like ------------------------------------------------------------

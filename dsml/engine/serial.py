@@ -127,6 +127,9 @@ class SerialEngine(EngineBase):
             poison = self._poison.get(var)
             if poison is not None:
                 error = dependency_error(f"op {op.name!r} did not run", var, poison)
+                if op._always_run:
+                    op.blocked = error
+                    break
                 self._settle(op, Status.FAILED, error, poison)
                 return
         self._mark_running(op)
@@ -172,9 +175,11 @@ class SerialEngine(EngineBase):
 
     def _settle(self, op: Op, status: Status, value: object, poison: Poison | None) -> None:
         self._record_outcome(op, status, value, poison)
-        if poison is not None:
-            for var in op._mutates:
+        for var in op._mutates:
+            if poison is not None:
                 self._poison[var] = poison
+            elif op._always_run:  # it ran despite the poison and wrote the var afresh
+                self._poison.pop(var, None)
 
     def _cancel(self, op: Op) -> bool:
         if op._status is Status.PENDING:

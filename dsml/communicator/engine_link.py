@@ -1,0 +1,162 @@
+"""The communicator's end of the dependency engine (communicator layer).
+
+`comm.engine` and `comm.var` live here, with the two rules that keep collectives in the
+same order on every rank when some of them go through the engine:
+
+* A collective pushed into the engine takes its turn (its collective id) in an *issue* op
+  that mutates `comm.var`. That op runs even if a var it touches is poisoned: if its input
+  is, it fails the collective on every rank instead of skipping it on this one, which
+  would leave the ranks' ids out of step.
+* A collective called outside the engine while pushed ones are still waiting to be issued
+  queues behind them through `comm.var`; from inside a running op it does not (the op's
+  place in the graph orders it, and queueing could wait for the op itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..engine import Engine, OpHandle, Tagged, Var, current_op
+from ..errors import CollectiveTimeoutError, ConfigError
+from ..wire import Fingerprint
+from .handle import CollectiveHandle
+from .plans import Plan
+from .runner import Runner
+
+__all__ = ["EngineLink"]
+
+Array = Any
+
+
+class EngineLink:
+    """A communicator's engine, its ordering var, and pushed or queued collectives."""
+
+    def __init__(self, runner: Runner, where: Callable[[], tuple[int, int]]) -> None:
+        self._runner = runner
+        self._where = where  # (rank, epoch), for names and errors
+        self._engine: Engine | None = None
+        self._var: Var | None = None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = Engine(name=f"rank {self._where()[0]}")
+        return self._engine
+
+    @property
+    def var(self) -> Var:
+        if self._var is None:
+            self._var = self.engine.new_var("comm")
+        return self._var
+
+    async def aclose(self, *, cancel: bool) -> None:
+        if self._engine is not None:
+            await self._engine.aclose(cancel=cancel)
+
+    # -- pushed collectives -----------------------------------------------------------------
+
+    def push_collective(
+        self,
+        tagged: Tagged[Array],
+        read: Iterable[Var],
+        loose: Callable[[], Fingerprint],
+        start: Callable[[], CollectiveHandle[Array]],
+    ) -> OpHandle[Array]:
+        """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
+        started: list[CollectiveHandle[Array] | BaseException] = []
+        name = f"{loose().collective}({tagged.var.name})"
+
+        async def issue() -> None:
+            op = current_op()
+            if op is not None and op.blocked is not None:
+                self._runner.reject(loose(), f"its input {tagged.var.name!r}: {op.blocked}")
+                started.append(op.blocked)
+                return
+            try:
+                started.append(start())
+            except Exception as exc:  # the id was taken all the same: comm.var stays clean
+                started.append(exc)
+
+        async def complete() -> Array:
+            outcome = started[0]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return await outcome
+
+        mutate = [tagged.var, self.var]
+        self.engine.push(issue, read=read, mutate=mutate, name=f"issue {name}", always_run=True)
+        return self.engine.push(complete, mutate=[tagged.var], name=name)
+
+    # -- direct calls -----------------------------------------------------------------------
+
+    def must_queue(self) -> bool:
+        """Is this direct call made outside the engine while pushed ones wait to issue?"""
+        if self._engine is None or self._var is None or not self._engine.is_busy(self._var):
+            return False
+        op = current_op()
+        return op is None or op.done()
+
+    def queue(
+        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
+    ) -> CollectiveHandle[Any]:
+        """Issue a direct call in its turn behind the pushed collectives; its handle now.
+
+        Waiting for the turn counts against the call's timeout. If the call is given up
+        (cancelled, timed out) before its turn, it is still issued then, and cancelled at
+        once, so that the peers are told as for any cancelled call.
+        """
+        if self.engine.closed:
+            raise ConfigError("the communicator is closing: no new collectives")
+        budget = self._runner.budget(timeout)
+        issued: list[CollectiveHandle[Any] | BaseException] = []
+        abandoned = False
+
+        async def issue() -> None:
+            try:
+                call = self._runner.collective(plan, loose, timeout)
+            except Exception as exc:  # the id was taken all the same: comm.var stays clean
+                issued.append(exc)
+                return
+            issued.append(call)
+            handle.cid, handle.collective = call.cid, call.collective
+            if abandoned:
+                call.cancel()
+
+        turn = self.engine.push(
+            issue, mutate=[self.var], name="issue a direct call", always_run=True
+        )
+
+        async def wait() -> Any:
+            nonlocal abandoned
+            try:
+                async with asyncio.timeout(budget):
+                    await asyncio.shield(turn)
+            except BaseException as exc:
+                abandoned = True
+                for call in issued:  # issued already, but given up before this resumed
+                    if isinstance(call, CollectiveHandle):
+                        call.cancel()
+                if isinstance(exc, TimeoutError):
+                    raise self._waited_too_long(budget) from None
+                raise
+            outcome = issued[0]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return await outcome
+
+        handle: CollectiveHandle[Any] = CollectiveHandle(
+            asyncio.get_running_loop().create_task(wait()), "queued", 0
+        )
+        return handle
+
+    def _waited_too_long(self, budget: float) -> CollectiveTimeoutError:
+        rank, epoch = self._where()
+        return CollectiveTimeoutError(
+            f"a collective waited {budget:g} s on rank {rank} for collectives pushed into "
+            "comm.engine to be issued first; wait for them (await comm.engine.wait_var("
+            "comm.var)) or push this one too",
+            rank=rank,
+            epoch=epoch,
+        )
