@@ -36,9 +36,11 @@ class Call:
         timeout: float,
         *,
         peer: int | None = None,
+        tag: int | None = None,
     ) -> None:
         self.mesh = mesh
-        self.peer = peer  # the source rank of a point-to-point receive
+        self.peer = peer  # a point-to-point receive: its source rank ...
+        self.tag = tag  # ... and tag
         self.cid = cid
         self.fingerprint = fingerprint
         self.timeout = timeout

@@ -215,7 +215,7 @@ class Communicator:
         def start() -> CollectiveHandle[Array]:
             budget = self._runner.budget(timeout)
             peer, tag_ = self._p2p.plan_recv(src, tag)
-            call = Call(self._mesh, 0, Fingerprint("recv", root=tag_), budget, peer=peer)
+            call = Call(self._mesh, 0, Fingerprint("recv"), budget, peer=peer, tag=tag_)
             what = f"recv from rank {peer} (tag {tag_})"
             hint = (
                 f"rank {peer} has not sent it: check that it calls send(x, {self.rank}, tag={tag_})"

@@ -348,7 +348,7 @@ class Mesh:
         for call in list(self.calls.values()):
             if call.cid > last:
                 call.fail(self._goodbye_error(call, rank, last))
-        for tag in {r.fingerprint.root for r in self.receives if r.peer == rank}:
+        for tag in {r.tag for r in self.receives if r.peer == rank}:
             # A marker behind the messages already queued: they are still delivered.
             self.mailbox.put(("p2p", env.epoch), (rank, tag), (PEER_LEFT, []))
 
