@@ -40,6 +40,8 @@ class CommConfig:
         join_timeout: how long `init` waits for the group to form.
         registry_timeout: how long to wait for the registry to answer at all.
         probe_timeout: after a timeout, how long to ask the peers where they are.
+        view_timeout: after a member was lost, how long a call waits for the registry's
+            new view before failing.
         chunk_bytes: pipeline unit of the large-message algorithms.
         max_frame_bytes: largest payload frame accepted from a peer (larger: dropped).
         zero_copy_min_bytes: frames at least this large are sent without copying.
@@ -52,6 +54,7 @@ class CommConfig:
     join_timeout: float = 120.0
     registry_timeout: float = 10.0
     probe_timeout: float = 0.5
+    view_timeout: float = 30.0
     chunk_bytes: int = 4 * _MiB
     max_frame_bytes: int = 64 * _MiB
     zero_copy_min_bytes: int = 64 * 1024
@@ -59,7 +62,7 @@ class CommConfig:
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "join_timeout", "registry_timeout", "probe_timeout"):
+        for name in ("timeout", "join_timeout", "registry_timeout", "probe_timeout", "view_timeout"):
             _positive(name, getattr(self, name))
         _require(
             isinstance(self.chunk_bytes, int) and self.chunk_bytes >= 4096,
@@ -87,12 +90,29 @@ class RegistryConfig:
     Attributes:
         address: where to bind; port 0 lets the OS choose.
         max_message_bytes: largest message accepted from anyone (larger: dropped).
+        heartbeat_interval: seconds between a member's heartbeats.
+        heartbeat_timeout: a member silent this long is declared dead (must exceed twice
+            the interval). Pauses shorter than this never evict anyone; a killed process
+            is found much sooner, when its peers' connections drop.
+        join_window: after a worker asks to join a running group, how long to wait for
+            others before admitting them together (one epoch for all of them).
     """
 
     address: str = "tcp://127.0.0.1:0"
     max_message_bytes: int = 1 * _MiB
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    join_window: float = 0.2
 
     def __post_init__(self) -> None:
+        for name in ("heartbeat_interval", "heartbeat_timeout", "join_window"):
+            _positive(name, getattr(self, name))
+        _require(
+            self.heartbeat_timeout > 2 * self.heartbeat_interval,
+            f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must exceed twice "
+            f"heartbeat_interval ({self.heartbeat_interval:g} s), or one late heartbeat "
+            "would evict a live worker",
+        )
         _require(
             isinstance(self.address, str) and self.address.startswith(("tcp://", "ipc://")),
             f"registry address must be tcp://host:port or ipc://path, got {self.address!r}",

@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "DependencyFailedError",
     "DsmlError",
+    "EvictedError",
     "JoinTimeoutError",
     "MembershipChangedError",
     "PeerLostError",
@@ -101,6 +102,11 @@ class PeerLostError(MembershipChangedError):
     def __init__(self, message: str, *, lost: Sequence[int] = (), **where: object) -> None:
         super().__init__(message, **where)  # type: ignore[arg-type]
         self.lost = tuple(lost)
+
+
+class EvictedError(MembershipChangedError):
+    """This worker was declared dead by the registry (silent for too long) and is no longer
+    a member; it may join again as a new member."""
 
 
 class DependencyFailedError(DsmlError):

@@ -7,6 +7,7 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 
 import dsml
@@ -112,17 +113,18 @@ async def test_a_rank_already_asked_for_is_refused():
             assert [c.rank for c in comms] == [1, 0]
 
 
-async def test_a_joiner_after_the_group_formed_is_refused_with_a_clear_error():
+async def test_a_joiner_after_the_group_formed_is_admitted_at_the_next_collective():
     async with dsml.open_registry() as registry, dsml.init(registry.address, 1) as comm:
-        assert comm.rank == 0
-        with pytest.raises(ConfigError) as refused:
-            await dsml.init(registry.address, 1, config=FAST)
-        message = str(refused.value)
-        assert registry.address in message
-        assert "a group of 1 is running at epoch 1" in message
-        assert "wait until it ends or use another registry" in message
-        assert registry.view is not None
-        assert registry.view.size == 1
+        assert (comm.rank, comm.world_size, comm.epoch) == (0, 1, 1)
+        async with dsml.init(registry.address, 1, config=FAST) as joiner:
+            assert (joiner.rank, joiner.world_size, joiner.epoch) == (1, 2, 2)
+            assert registry.view is not None and registry.view.size == 2
+            # The member switches at the agreed boundary: its next collective.
+            assert comm.world_size == 2
+            xs = [np.full(3, 1.0), np.full(3, 2.0)]
+            await asyncio.gather(comm.all_reduce(xs[0]), joiner.all_reduce(xs[1]))
+            assert all((x == 3.0).all() for x in xs)
+            assert comm.epoch == 2
 
 
 async def test_after_every_member_left_the_registry_forms_a_new_group_at_a_higher_epoch():
@@ -134,21 +136,30 @@ async def test_after_every_member_left_the_registry_forms_a_new_group_at_a_highe
                 assert registry.status()["formed"]
             await eventually(lambda: registry.view is None, "every member left")
             assert not registry.status()["formed"]
-        assert epochs == [{1}, {2}, {3}]
+        assert [len(e) for e in epochs] == [1, 1, 1]
+        firsts = [e.pop() for e in epochs]
+        assert firsts[0] == 1 and firsts == sorted(set(firsts))
 
 
-async def test_a_group_stays_formed_until_its_last_member_leaves():
+async def test_a_member_that_leaves_makes_a_view_of_the_others_and_the_last_ends_the_group():
     async with (
         dsml.open_registry() as registry,
-        closing(await join_one_by_one(registry, [None, None])) as comms,
+        closing(await join_one_by_one(registry, [None, None, None])) as comms,
     ):
+        leaver = comms[0].member_id
         await comms[0].aclose()
-        await eventually(lambda: registry.status()["left"] != [], "rank 0 left")
-        assert registry.status()["left"] == [comms[0].view.members[0].id]
+        await eventually(lambda: registry.epoch == 2, "a view without rank 0")
         assert registry.view is not None
-        with pytest.raises(ConfigError, match="is running"):
-            await dsml.init(registry.address, 2, config=FAST)
-        await comms[1].aclose()
+        assert [m.id for m in registry.view.members] == [c.member_id for c in comms[1:]]
+        # The others' next collective fails (rank 0 closed after none), then they go on.
+        for _ in range(2):
+            outcomes = await asyncio.gather(
+                *(c.all_reduce(np.ones(2)) for c in comms[1:]), return_exceptions=True
+            )
+        assert [c.world_size for c in comms[1:]] == [2, 2]
+        assert all(isinstance(o, np.ndarray) and (o == 2).all() for o in outcomes), outcomes
+        assert leaver not in [m["id"] for m in registry.status()["members"]]
+        await asyncio.gather(*(c.aclose() for c in comms[1:]))
         await eventually(lambda: registry.view is None, "every member left")
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from typing import Any
 
 from ..config import RegistryConfig
+from ..errors import ConfigError
 from ..membership import open_registry
 
 __all__ = ["add_parser"]
@@ -24,16 +26,45 @@ def add_parser(sub: Any) -> None:
         default="tcp://127.0.0.1:5555",
         help="address to bind (default: %(default)s; port 0 picks a free port)",
     )
+    defaults = RegistryConfig()
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=defaults.heartbeat_interval,
+        metavar="S",
+        help="seconds between a worker's heartbeats (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=defaults.heartbeat_timeout,
+        metavar="S",
+        help="a worker silent this long is declared dead; must exceed twice the interval "
+        "(default: %(default)s). A killed worker is found sooner, by its peers.",
+    )
     parser.set_defaults(handler=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve(RegistryConfig(address=args.address)))
+    try:
+        config = RegistryConfig(
+            address=args.address,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+        )
+    except ConfigError as exc:
+        print(f"dsml registry: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(config))
 
 
 async def _serve(config: RegistryConfig) -> int:
     async with open_registry(config=config) as registry:
-        print(f"dsml registry serving on {registry.address}", flush=True)
+        print(
+            f"dsml registry serving on {registry.address} (heartbeats every "
+            f"{config.heartbeat_interval:g} s, timeout {config.heartbeat_timeout:g} s)",
+            flush=True,
+        )
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -47,11 +47,29 @@ def _render(address: str, status: dict[str, Any]) -> str:
     ]
     members = status.get("members") or []
     if members:
-        lines.append(f"{'rank':>4}  {'address':<28} {'host':<20} {'pid':>8}  name")
-        for rank, m in enumerate(members):
+        lines.append(
+            f"{'rank':>4}  {'address':<24} {'host:pid':<22} {'epoch':>5} {'beat':>6}  "
+            "last started / last finished"
+        )
+        for m in members:
+            age = m.get("heartbeat_age")
+            beat = f"{age:.1f}s" if isinstance(age, int | float) else "-"
             lines.append(
-                f"{rank:>4}  {m['address']:<28} {m['host']:<20} {m['pid']:>8}  {m['name']}"
+                f"{m.get('rank', '?'):>4}  {m['address']:<24} "
+                f"{m['host'] + ':' + str(m['pid']):<22} {m.get('epoch', 0):>5} {beat:>6}  "
+                f"{_call(m.get('started'))} / {_call(m.get('finished'))}"
+                f"{'  ' + m['name'] if m.get('name') else ''}"
             )
     for m in status.get("joining") or []:
-        lines.append(f"   -  {m['address']:<28} {m['host']:<20} {m['pid']:>8}  (joining)")
+        lines.append(f"   -  {m['address']:<24} {m['host'] + ':' + str(m['pid']):<22} (joining)")
+    if status.get("evicted"):
+        lines.append(f"evicted: {', '.join(status['evicted'])}")
     return "\n".join(lines)
+
+
+def _call(progress: Any) -> str:
+    """`#cid what (epoch e)` from a heartbeat's [epoch, cid, description], or '-'."""
+    if not progress:
+        return "-"
+    epoch, cid, what = progress
+    return f"#{cid} {what.split('(')[0]} (epoch {epoch})"

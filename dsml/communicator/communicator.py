@@ -24,6 +24,7 @@ from .mesh import Mesh
 from .p2p import PointToPoint
 from .plans import Plan, Planner, loose_fingerprint
 from .runner import Runner
+from .views import ViewKeeper, ViewListener
 
 __all__ = ["Communicator"]
 
@@ -44,36 +45,74 @@ class Communicator:
         self.config = config
         self._mesh = mesh
         self._registry = registry
-        self._runner = Runner(mesh, config, loop)
+        self._keeper = ViewKeeper(mesh, registry, config.view_timeout)
+        self._runner = Runner(mesh, self._keeper, config, loop)
         self._planner = Planner(config.chunk_bytes)
         self._p2p = PointToPoint(mesh)
+        self._keeper.listeners.append(lambda _old, _new: self._p2p.reset())
         self._link = EngineLink(self._runner, lambda: (self.rank, self.epoch))
+        registry.attach(self._keeper)
+        registry.start_heartbeats(self._progress)
+
+    def _progress(self) -> dict[str, Any]:
+        """A heartbeat's body (read from the heartbeat thread: plain attribute reads)."""
+        started, finished = self._mesh.started, self._mesh.finished
+        return {
+            "epoch": self._mesh.epoch,
+            "started": list(started) if started is not None else None,
+            "finished": list(finished) if finished is not None else None,
+        }
 
     # -- identity ---------------------------------------------------------------------------
 
     @property
     def rank(self) -> int:
-        """This worker's rank in the current view (0..world_size-1)."""
-        return self._mesh.rank
+        """This worker's rank in the view its next collective runs in (0..world_size-1)."""
+        view = self.view
+        rank = view.rank_of(self._mesh.member_id)
+        return rank if rank is not None else self._mesh.rank
 
     @property
     def world_size(self) -> int:
-        return self._mesh.size
+        """Members of the view the next collective runs in."""
+        return self.view.size
 
     @property
     def epoch(self) -> int:
-        """The epoch of the current view; it grows with every change of membership."""
-        return self._mesh.epoch
+        """The epoch of that view; it grows with every change of membership."""
+        return self.view.epoch
 
     @property
     def view(self) -> View:
-        assert self._mesh.view is not None
-        return self._mesh.view
+        """The view (epoch, members in ring order) the next collective runs in, as far as
+        this rank knows; after a member was lost, the survivors' view once it is known."""
+        return self._keeper.next_view()
+
+    @property
+    def member_id(self) -> str:
+        return self._mesh.member_id
 
     @property
     def address(self) -> str:
         """The address this worker's endpoint serves on."""
-        return self.view.members[self.rank].address
+        assert self._mesh.view is not None
+        return self._mesh.view.members[self._mesh.rank].address
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the registry declared this worker dead; it must join again."""
+        return self._keeper.evicted
+
+    def on_view_change(self, callback: ViewListener) -> Callable[[], None]:
+        """Call `callback(old_view, new_view)` each time this rank switches views (on the
+        loop, at a collective boundary); returns a function that removes it."""
+        self._keeper.listeners.append(callback)
+        return lambda: self._keeper.listeners.remove(callback)
+
+    async def wait_view_change(self, timeout: float | None = None) -> View:
+        """Wait until the registry announces a view newer than the current one (a member
+        lost, left or joined); returns it. It is used from the next collective on."""
+        return await self._keeper.wait_known(timeout)
 
     @property
     def registry_address(self) -> str:
@@ -91,6 +130,8 @@ class Communicator:
             "stale": self._mesh.counters["stale"],
             "late": self._mesh.counters["late"],
             "held": self._mesh.counters["held"],
+            "disconnects": self._mesh.counters["disconnects"],
+            "views_installed": self._keeper.installed,
             "in_flight": len(self._mesh.calls),
             "next_cid": self._mesh.next_cid,
         }
@@ -199,6 +240,7 @@ class Communicator:
         """
 
         def start() -> CollectiveHandle[None]:
+            self._keeper.ensure_current()
             budget = self._runner.budget(timeout)
             _fp, send = self._p2p.plan_send(x, dst, tag)
             what = f"send to rank {dst} (tag {tag})"
@@ -213,6 +255,7 @@ class Communicator:
         """Receive the next array rank src sent with this tag (a new array)."""
 
         def start() -> CollectiveHandle[Array]:
+            self._keeper.ensure_current()
             budget = self._runner.budget(timeout)
             peer, tag_ = self._p2p.plan_recv(src, tag)
             call = Call(self._mesh, 0, Fingerprint("recv"), budget, peer=peer, tag=tag_)
@@ -286,11 +329,24 @@ class Communicator:
         await self._link.aclose(cancel=cancel or error is not None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
-        await self._mesh.aclose(reason)
+        last = self._mesh.next_cid - 1
+        await self._mesh.aclose(reason)  # peers hear why first: the goodbye carries it
         try:
-            await self._registry.leave()
+            if not self._keeper.evicted:
+                await self._registry.leave(last)
         finally:
             await self._registry.aclose()
+
+    async def _crash(self) -> None:
+        """Stop as if the process had been killed: no goodbye, no leave, sockets closed
+        at once, calls in flight cancelled (see `dsml.testing.crash`)."""
+        if self._runner.closed:
+            return
+        self._registry.stop_heartbeats()
+        await self._mesh.crash()
+        await self._registry.aclose(linger_s=0.0)
+        await self._runner.cancel_all()
+        await self._link.aclose(cancel=True)
 
     async def __aenter__(self) -> Communicator:
         return self

@@ -34,6 +34,7 @@ _MAX_HELD = 10_000  # messages of a view not seen yet ...
 _MAX_HELD_BYTES = 256 << 20  # ... and their payload bytes
 _MAX_AHEAD = 1 << 20  # how far past our newest call a peer's collective id may be
 _LANES = {Kind.CHUNK: Lane.DATA, Kind.CONFIRM: Lane.CONFIRM}
+_GOODBYE_GRACE_S = 0.05  # a dropped connection may be a goodbye still on its way
 
 Item = tuple[Envelope, list[memoryview]]
 T = TypeVar("T")
@@ -57,8 +58,16 @@ class Mesh:
         self.counters: Counter[str] = Counter()
         self.closed_after: dict[int, int] = {}
         self.left_with_error: dict[int, str] = {}
+        self.crashed = False  # dsml.testing.crash: as if the process had died
+        #: wraps each new peer channel (dsml.testing injects faults with it)
+        self.wrap_channel: Callable[[str, Channel], Channel] | None = None
+        self.started: tuple[int, int, str] | None = None  # (epoch, cid, what): heartbeats
+        self.finished: tuple[int, int, str] | None = None  # ... report these two
+        #: called with a peer's member id when its connection dropped without a goodbye
+        self.on_peer_lost: Callable[[str], None] | None = None
         self._endpoint: Endpoint | None = None
         self._channels: dict[int, Channel] = {}
+        self._by_member: dict[str, Channel] = {}
         self._ranks: dict[bytes, int] = {}
         self._aborts: dict[int, Envelope] = {}
         self._held: list[tuple[bytes, Envelope, list[memoryview]]] = []
@@ -92,23 +101,72 @@ class Mesh:
         return self._endpoint.address
 
     def set_view(self, view: View) -> None:
-        """Adopt a view: connect to its peers and replay what arrived early for it."""
+        """Adopt a view: connect to its new peers, drop the others, forget what belonged
+        to the previous epoch, and replay what arrived early for this one.
+
+        Calls of the previous epoch must be over (the communicator waits for them).
+        """
         rank = view.rank_of(self.member_id)
         assert rank is not None, "a view must contain this member"
+        previous = self.epoch
         self.view, self.rank = view, rank
         self.next_cid = 1
         self._ranks = {m.id.encode(): r for r, m in enumerate(view.members)}
+        members = {m.id for m in view.members}
+        for member_id in [m for m in self._by_member if m not in members]:
+            self.spawn(self._by_member.pop(member_id).aclose(linger_s=0.0))
+        self._channels = {}
         for peer, member in enumerate(view.members):
-            if peer != rank:
-                self._channels[peer] = Channel.connect(
+            if peer == rank:
+                continue
+            channel = self._by_member.get(member.id)
+            if channel is None:
+                channel = Channel.connect(
                     member.address,
                     self.member_id.encode(),
                     copy_threshold=self.config.zero_copy_min_bytes,
                     max_frame_bytes=self.config.max_frame_bytes,
+                    on_disconnect=lambda member_id=member.id: self._disconnected(member_id),
                 )
+                if self.wrap_channel is not None:
+                    channel = self.wrap_channel(member.id, channel)
+                self._by_member[member.id] = channel
+            self._channels[peer] = channel
+        if previous:
+            self.closed_after.clear()
+            self.left_with_error.clear()
+            self._aborts.clear()
+            self._backlog.clear()
+            self._turns.clear()
+            self.counters["stale"] += self.mailbox.discard_where(
+                lambda group: _epoch_of(group) < view.epoch
+            )
         held, self._held, self._held_bytes = self._held, [], 0
         for sender, env, payload in held:
             self._dispatch(sender, env, payload)
+
+    def rewrap(self) -> None:
+        """Apply `wrap_channel` to the channels already open."""
+        assert self.wrap_channel is not None and self.view is not None
+        for member_id in self._by_member:
+            self._by_member[member_id] = self.wrap_channel(member_id, self._by_member[member_id])
+        for peer, member in enumerate(self.view.members):
+            if peer != self.rank:
+                self._channels[peer] = self._by_member[member.id]
+
+    def _disconnected(self, member_id: str) -> None:
+        """A peer's connection dropped: after a moment for its goodbye, report it lost."""
+        if self.on_peer_lost is None:
+            return
+
+        def check() -> None:
+            rank = self.view.rank_of(member_id) if self.view is not None else None
+            if rank is None or rank in self.closed_after or self.on_peer_lost is None:
+                return  # it left properly, or is no longer a peer
+            self.counters["disconnects"] += 1
+            self.on_peer_lost(member_id)
+
+        asyncio.get_running_loop().call_later(_GOODBYE_GRACE_S, check)
 
     @property
     def epoch(self) -> int:
@@ -169,6 +227,8 @@ class Mesh:
 
     def broadcast_control(self, env: Envelope, peers: Sequence[int] | None = None) -> None:
         """Send a small control message to every peer (or to `peers`), in the background."""
+        if self.crashed:
+            return
         targets = [p for p in (peers if peers is not None else self._channels) if p != self.rank]
 
         async def send_all() -> None:
@@ -342,15 +402,36 @@ class Mesh:
         fields = Fields(env.body, "Goodbye")
         last = fields.get_int("last")
         error = fields.get_str("error", 2048, optional=True)
-        self.closed_after[rank] = last
+        self.peer_closed(rank, last, error)
+
+    def peer_closed(self, rank: int, last: int, error: str | None = None) -> int:
+        """Rank `rank` closed after collective `last`: fail this epoch's later calls.
+
+        Returns how many calls in flight failed.
+        """
+        self.closed_after.setdefault(rank, last)
         if error is not None:
-            self.left_with_error[rank] = error
+            self.left_with_error.setdefault(rank, error)
+        failed = 0
         for call in list(self.calls.values()):
-            if call.cid > last:
+            if call.cid > last and call.failure is None:
                 call.fail(self._goodbye_error(call, rank, last))
+                failed += 1
         for tag in {r.tag for r in self.receives if r.peer == rank}:
             # A marker behind the messages already queued: they are still delivered.
-            self.mailbox.put(("p2p", env.epoch), (rank, tag), (PEER_LEFT, []))
+            self.mailbox.put(("p2p", self.epoch), (rank, tag), (PEER_LEFT, []))
+        return failed
+
+    def fail_all(self, make_error: Callable[[Call], BaseException], after: int = 0) -> int:
+        """Fail every call in flight numbered above `after`, and every receive; returns
+        how many failed."""
+        failed = 0
+        for call in [*self.calls.values(), *self.receives]:
+            if call.cid > after or call in self.receives:
+                if call.failure is None and not (call.task is not None and call.task.done()):
+                    call.fail(make_error(call))
+                    failed += 1
+        return failed
 
     def peer_left_error(self, peer: int, what: str) -> CollectiveAbortedError:
         """The error of a send to, or receive from, a peer that closed its communicator."""
@@ -391,6 +472,20 @@ class Mesh:
 
     # -- shutdown ---------------------------------------------------------------------------
 
+    async def crash(self) -> None:
+        """Close every socket at once, sending nothing (tests: a process killed)."""
+        self.crashed = True
+        self.on_peer_lost = None
+        for task in list(self._background):
+            task.cancel()
+        for channel in self._by_member.values():
+            await channel.aclose(linger_s=0.0)
+        self._channels.clear()
+        self._by_member.clear()
+        if self._endpoint is not None:
+            await self._endpoint.aclose()
+        self.view = None
+
     async def aclose(self, error: str | None = None) -> None:
         """Say goodbye to the peers (with the error that ends this rank, if any), flush
         background sends, close every socket."""
@@ -403,9 +498,11 @@ class Mesh:
             await asyncio.wait(self._background, timeout=2.0)
         for task in list(self._background):
             task.cancel()
-        for channel in self._channels.values():
+        self.on_peer_lost = None
+        for channel in self._by_member.values():
             await channel.aclose(linger_s=1.0)
         self._channels.clear()
+        self._by_member.clear()
         if self._endpoint is not None:
             await self._endpoint.aclose()
 
@@ -414,3 +511,14 @@ class Mesh:
             f"<Mesh rank={self.rank}/{self.size} epoch={self.epoch} calls={len(self.calls)} "
             f"mailbox={len(self.mailbox)} dropped={self.dropped} {dict(self.counters)}>"
         )
+
+
+def _epoch_of(group: Any) -> int:
+    """The epoch of a mailbox group key: (epoch, cid), ("p2p", epoch), ("progress", e, c)."""
+    if isinstance(group, tuple) and group:
+        first = group[0]
+        if isinstance(first, int):
+            return first
+        if len(group) > 1 and isinstance(group[1], int):
+            return group[1]
+    return 0

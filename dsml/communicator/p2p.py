@@ -38,6 +38,11 @@ class PointToPoint:
         self._sent: Counter[tuple[int, int]] = Counter()
         self._received: Counter[tuple[int, int]] = Counter()
 
+    def reset(self) -> None:
+        """A new view: ranks may mean other members, so every stream starts again."""
+        self._sent.clear()
+        self._received.clear()
+
     def _check_peer(self, peer: object, tag: object, what: str) -> tuple[int, int]:
         size, rank = self._mesh.size, self._mesh.rank
         if type(peer) is not int or not 0 <= peer < size or peer == rank:

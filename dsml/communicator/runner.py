@@ -24,6 +24,7 @@ from .diagnose import timeout_message
 from .handle import CollectiveHandle
 from .mesh import Mesh
 from .plans import Plan
+from .views import ViewKeeper
 
 __all__ = ["Runner"]
 
@@ -33,11 +34,21 @@ T = TypeVar("T")
 class Runner:
     """Runs the calls of one communicator on its event loop."""
 
-    def __init__(self, mesh: Mesh, config: CommConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        keeper: ViewKeeper,
+        config: CommConfig,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.closed = False
         self._mesh = mesh
+        self._keeper = keeper
         self._config = config
         self._loop = loop
+        self._deferred = 0  # calls waiting for a change of view, in program order
+        self._waiting: set[asyncio.Task[Any]] = set()
+        self._admission = asyncio.Lock()
 
     def budget(self, timeout: float | None) -> float:
         """A call's timeout in seconds (the configured default when None)."""
@@ -89,8 +100,35 @@ class Runner:
     ) -> CollectiveHandle[Any]:
         """Take the next collective id, plan the call and start it; returns its handle.
 
-        Must run on the communicator's loop (see `on_loop`).
+        Must run on the communicator's loop (see `on_loop`). While the group changes the
+        call first waits its turn (`ViewKeeper.admit`), behind the calls made before it.
         """
+        if self._deferred or not self._keeper.immediate():
+            self._deferred += 1
+            name = _name_of(loose)
+            task = self._loop.create_task(self._admit_then_run(plan, loose, timeout))
+            self._waiting.add(task)
+            task.add_done_callback(self._waiting.discard)
+            return CollectiveHandle(task, name, 0)
+        call = self._start(plan, loose, timeout)
+        assert call.task is not None
+        return CollectiveHandle(call.task, call.fingerprint.collective, call.cid)
+
+    async def _admit_then_run(
+        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
+    ) -> Any:
+        try:
+            async with self._admission:
+                await self._keeper.admit()
+                call = self._start(plan, loose, timeout)
+        finally:
+            self._deferred -= 1
+        assert call.task is not None
+        return await call.task
+
+    def _start(
+        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
+    ) -> Call:
         cid = self._mesh.next_cid
         self._mesh.next_cid += 1
         try:
@@ -104,10 +142,11 @@ class Runner:
             raise
         call = Call(self._mesh, cid, planned.fingerprint, budget)
         self._mesh.register(call)
+        self._mesh.started = (call.epoch, cid, planned.fingerprint.describe())
         task = self._loop.create_task(self._run(call, planned))
         call.task = task
         task.add_done_callback(lambda t: self._finished(call, t))
-        return CollectiveHandle(task, planned.fingerprint.collective, cid)
+        return call
 
     def reject(self, fingerprint: Fingerprint, reason: str) -> None:
         """Take the next collective id without running it, and fail it on every peer.
@@ -116,6 +155,23 @@ class Runner:
         any other, so the ranks' collective ids stay in step, and the peers fail loudly
         rather than pair this id with a later call.
         """
+        if self._deferred or not self._keeper.immediate():
+            self._deferred += 1
+            self._mesh.spawn(self._admit_then_reject(fingerprint, reason))
+            return
+        self._reject_now(fingerprint, reason)
+
+    async def _admit_then_reject(self, fingerprint: Fingerprint, reason: str) -> None:
+        try:
+            async with self._admission:
+                await self._keeper.admit()
+                self._reject_now(fingerprint, reason)
+        except DsmlError:
+            pass  # the group changed: there is no call left to fail on the peers
+        finally:
+            self._deferred -= 1
+
+    def _reject_now(self, fingerprint: Fingerprint, reason: str) -> None:
         cid = self._mesh.next_cid
         self._mesh.next_cid += 1
         rejected = Call(self._mesh, cid, fingerprint, self._config.timeout)
@@ -167,6 +223,7 @@ class Runner:
 
     def _finished(self, call: Call, task: asyncio.Task[Any]) -> None:
         self._mesh.finish(call)
+        self._mesh.finished = (call.epoch, call.cid, call.fingerprint.describe())
         rank = self._mesh.rank
         if task.cancelled() and call.failure is None:
             self._mesh.abort(call, "cancelled", f"rank {rank} cancelled the call")
@@ -230,10 +287,18 @@ class Runner:
         self.closed = True
         tasks = [c.task for c in self._mesh.calls.values() if c.task is not None]
         tasks += [r.task for r in self._mesh.receives if r.task is not None]
+        tasks += list(self._waiting)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
+
+
+def _name_of(loose: Callable[[], Fingerprint]) -> str:
+    try:
+        return loose().collective
+    except Exception:  # the call itself reports bad input when it is admitted
+        return "collective"
 
 
 def _uncancel() -> None:

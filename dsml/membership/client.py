@@ -1,8 +1,10 @@
 """The member's side of the registry protocol (membership layer).
 
-A `RegistryClient` owns one channel to the registry, identified by the member id. It joins,
-waits for the view that contains it, answers status queries, and leaves. It never touches
-the data path: collectives do not wait on the registry.
+A `RegistryClient` owns one channel to the registry, identified by the member id, and a
+heartbeat thread (`Beacon`). It joins, waits for the view that contains it, then passes
+every later message of the registry (new views, proposals, evictions, a restarted
+registry's questions) to the `Listener` the communicator gives it. It never touches the
+data path: collectives do not wait on the registry.
 """
 
 from __future__ import annotations
@@ -10,19 +12,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..config import CommConfig
 from ..errors import ConfigError, JoinTimeoutError, ProtocolError, RegistryUnavailableError
-from ..transport import Channel, Mailbox
+from ..transport import Beacon, Channel, Mailbox
 from ..wire import Envelope, Fields, Kind
-from .view import Member, View
+from .view import Change, Member, View
 
-__all__ = ["RegistryClient", "query_status"]
+__all__ = ["Listener", "RegistryClient", "query_status"]
 
 log = logging.getLogger("dsml.membership")
 
 _REPLY_KINDS = (Kind.JOIN_ACCEPTED, Kind.JOIN_REJECTED, Kind.STATUS_REPLY)
+_JOIN_RESEND_S = 2.0  # a join request lost to a registry restart is sent again
+
+
+class Listener(Protocol):
+    """What a member does with the registry's news (the communicator implements it)."""
+
+    def on_view(self, view: View, change: Change) -> None: ...
+    def on_propose(self, epoch: int) -> None: ...
+    def on_evicted(self, epoch: int, reason: str) -> None: ...
+    def on_reregister(self) -> None: ...
 
 
 class RegistryClient:
@@ -33,9 +46,14 @@ class RegistryClient:
         self.member = member
         self.config = config
         self.view: View | None = None
+        self.change = Change()
+        self.listener: Listener | None = None
+        self.heartbeat_interval = 1.0
         self._replies: Mailbox[Envelope] = Mailbox()
         self._view_changed = asyncio.Event()
         self._channel: Channel | None = None
+        self._beacon: Beacon | None = None
+        self._early: list[tuple[View, Change]] = []
 
     def open(self) -> None:
         """Connect the channel (ZeroMQ connects in the background; nothing waits here)."""
@@ -48,16 +66,81 @@ class RegistryClient:
             self._replies.put(env.kind, None, env)
         elif env.kind is Kind.VIEW_CHANGED:
             self._handle_view_changed(env)
+        elif env.kind is Kind.PING:
+            pass  # the registry checked that this member is connected
+        elif self.listener is None:
+            if env.kind not in (Kind.PROPOSE, Kind.EVICTED, Kind.REREGISTER):
+                raise ProtocolError(f"unexpected {env.kind.name} from the registry")
+        elif env.kind is Kind.PROPOSE:
+            self.listener.on_propose(Fields(env.body, "Propose").get_int("epoch", 1))
+        elif env.kind is Kind.EVICTED:
+            fields = Fields(env.body, "Evicted")
+            self.listener.on_evicted(fields.get_int("epoch"), fields.get_str("reason", 1024))
+        elif env.kind is Kind.REREGISTER:
+            if self.view is not None:
+                self._send_nowait(Kind.REJOIN, {"view": self.view.to_wire()})
+            self.listener.on_reregister()
         else:
             raise ProtocolError(f"unexpected {env.kind.name} from the registry")
 
     def _handle_view_changed(self, env: Envelope) -> None:
-        view = View.from_wire(Fields(env.body, "ViewChanged"))
+        fields = Fields(env.body, "ViewChanged")
+        view = View.from_wire(fields)
+        change = Change.from_wire(fields)
         if view.rank_of(self.member.id) is None:
             raise ProtocolError("ViewChanged does not list this member")
-        if self.view is None or view.epoch > self.view.epoch:
-            self.view = view
-            self._view_changed.set()
+        if self.view is not None and view.epoch <= self.view.epoch:
+            return
+        self.heartbeat_interval = change.heartbeat_interval
+        if self.listener is None and self.view is not None:
+            self._early.append((view, change))  # for the listener, once there is one
+            return
+        self.view, self.change = view, change
+        self._view_changed.set()
+        if self.listener is not None:
+            self.listener.on_view(view, change)
+
+    def attach(self, listener: Listener) -> None:
+        """Pass every later message to `listener`, starting with the views that arrived
+        after the first (the one `join` returned)."""
+        self.listener = listener
+        early, self._early = self._early, []
+        for view, change in early:
+            self.view, self.change = view, change
+            listener.on_view(view, change)
+
+    def _send_nowait(self, kind: Kind, body: dict[str, Any]) -> None:
+        if self._channel is not None and not self._channel.closed:
+            self._channel.send_nowait(Envelope(kind, body=body))
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    def start_heartbeats(self, progress: Callable[[], dict[str, Any]]) -> None:
+        """Beat every interval the registry asked for; `progress()` fills each beat."""
+        if self._beacon is None:
+            self._beacon = Beacon(
+                self.address,
+                self.member.id.encode() + b".hb",
+                self.heartbeat_interval,
+                lambda: Envelope(Kind.HEARTBEAT, body=progress()),
+            )
+
+    def stop_heartbeats(self) -> None:
+        if self._beacon is not None:
+            self._beacon.stop()
+            self._beacon = None
+
+    @property
+    def beacon(self) -> Beacon | None:
+        return self._beacon
+
+    def suspect(self, member_id: str, epoch: int) -> None:
+        """Report that the connection to `member_id` dropped (the registry checks it)."""
+        self._send_nowait(Kind.SUSPECT, {"member": member_id, "epoch": epoch})
+
+    def ready(self, epoch: int, next_cid: int) -> None:
+        """Answer a proposal: collectives from `next_cid` on wait for the registry."""
+        self._send_nowait(Kind.READY, {"epoch": epoch, "next_cid": next_cid})
 
     async def _request(self, kind: Kind, body: dict[str, Any]) -> None:
         assert self._channel is not None, "RegistryClient.open() first"
@@ -82,19 +165,27 @@ class RegistryClient:
 
     async def join(self, world_size: int, rank: int | None = None) -> View:
         """Join and wait until the group has formed; returns the first view."""
-        await self._request(
-            Kind.JOIN_REQUEST,
-            {"member": self.member.to_wire(), "world_size": world_size, "rank": rank},
-        )
+        request = {"member": self.member.to_wire(), "world_size": world_size, "rank": rank}
+        await self._request(Kind.JOIN_REQUEST, request)
         reply = await self._reply(Kind.JOIN_ACCEPTED, Kind.JOIN_REJECTED)
         if reply.kind is Kind.JOIN_REJECTED and self.view is None:
             reason = Fields(reply.body, "JoinRejected").get_str("reason", 4096)
             raise ConfigError(
                 f"the registry at {self.address} refused to add this worker: {reason}"
             )
+        if reply.kind is Kind.JOIN_ACCEPTED:
+            interval = Fields(reply.body, "JoinAccepted").get_float(
+                "heartbeat_interval", 1e-3, 3600.0
+            )
+            self.heartbeat_interval = interval
         try:
             async with asyncio.timeout(self.config.join_timeout):
-                await self._view_changed.wait()
+                while not self._view_changed.is_set():
+                    try:
+                        async with asyncio.timeout(_JOIN_RESEND_S):
+                            await self._view_changed.wait()
+                    except TimeoutError:  # the registry may have restarted: ask again
+                        await self._request(Kind.JOIN_REQUEST, request)
         except TimeoutError:
             raise JoinTimeoutError(await self._formation_report(world_size)) from None
         assert self.view is not None
@@ -120,14 +211,16 @@ class RegistryClient:
         reply = await self._reply(Kind.STATUS_REPLY)
         return reply.body or {}
 
-    async def leave(self) -> None:
-        """Tell the registry this member is going (best effort, no reply)."""
+    async def leave(self, last: int = 0) -> None:
+        """Tell the registry this member is going after collective `last` (no reply)."""
+        self.stop_heartbeats()
         if self._channel is not None and not self._channel.closed:
-            await self._request(Kind.LEAVE_REQUEST, {})
+            await self._request(Kind.LEAVE_REQUEST, {"last": last})
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, linger_s: float | None = None) -> None:
+        self.stop_heartbeats()
         if self._channel is not None:
-            await self._channel.aclose()
+            await self._channel.aclose(linger_s=linger_s)
 
     def __repr__(self) -> str:
         return f"<RegistryClient {self.member.id} -> {self.address} view={self.view!r}>"

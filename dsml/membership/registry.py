@@ -1,19 +1,34 @@
-"""The registry server: joins, rank assignment, views (membership layer).
+"""The registry server: joins, liveness, views and epochs (membership layer).
 
 The registry is not on the data path: it only tells members who their peers are. It binds
-one endpoint; members connect a channel whose identity is their member id. Ranks are given
-in join order, except that members asking for a rank (as `dsml run` does) get it. When
-`world_size` members have joined, the registry forms the group at a new epoch and sends the
-view to every member. When every member of a group has left, the registry is ready to form
-the next group. Malformed messages are dropped and counted; the registry keeps serving.
+one endpoint; members connect a channel whose identity is their member id, and a heartbeat
+thread whose identity is the member id plus `.hb`.
+
+- Forming: ranks are given in join order, except that members asking for a rank (as
+  `dsml run` does) get it. When `world_size` members have joined, the group forms at a new
+  epoch and every member gets the view.
+- Liveness: a member silent for `heartbeat_timeout` is declared dead. A member whose peer
+  connection dropped reports it (SUSPECT); the registry checks that the suspect's own
+  connection to the registry is gone too, and declares it dead at once if so. A member that
+  was declared dead and comes back is told it was evicted.
+- Views: every change of membership makes a view with a higher epoch, ranks renumbered
+  0..n-1 in the previous ring order. A loss or a leave ends the old epoch at once. Joiners
+  to a running group are admitted at a boundary the members agree on: the registry asks
+  every member for its next collective id (PROPOSE/READY); the largest is the boundary.
+- Restarts: a registry that hears heartbeats from members it does not know asks them for
+  their view (REREGISTER/REJOIN) and adopts the newest; nobody is evicted before a full
+  heartbeat timeout has passed since the restart.
+
+Malformed messages are dropped and counted; the registry keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._opener import Opener
@@ -21,13 +36,16 @@ from ..config import RegistryConfig
 from ..errors import ConfigError, ProtocolError
 from ..transport import Endpoint, check_address
 from ..wire import Envelope, Fields, Kind
-from .view import Member, View
+from .view import Change, Member, View
 
 __all__ = ["Registry", "open_registry"]
 
 log = logging.getLogger("dsml.registry")
 
 _MAX_WORLD = 1 << 16
+_MAX_EVICTED = 4096
+_SUSPECT_CHECKS_S = (0.02, 0.05, 0.1, 0.2, 0.4)  # delays of the re-checks of a suspect
+_HB = b".hb"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +53,24 @@ class _Joiner:
     member: Member
     world_size: int
     wanted_rank: int | None
+
+
+@dataclass(slots=True)
+class _Liveness:
+    """What the registry knows of one member's health and progress."""
+
+    last_seen: float
+    epoch: int = 0
+    beats: int = 0
+    started: list[Any] | None = None  # [epoch, cid, description] of the last started call
+    finished: list[Any] | None = None  # ... and of the last finished one
+
+
+@dataclass(slots=True)
+class _Proposal:
+    view: View  # the view proposed (current members, then the joiners)
+    joined: tuple[str, ...]
+    ready: dict[str, int] = field(default_factory=dict)  # member id -> its next cid
 
 
 class Registry:
@@ -45,14 +81,26 @@ class Registry:
         self._endpoint: Endpoint | None = None
         self._closed = asyncio.Event()
         self.undelivered = 0  # replies dropped: the peer was gone or did not read
-        self._joining: dict[str, _Joiner] = {}
+        self.views_published = 0
+        self._joining: dict[str, _Joiner] = {}  # forming the first view
+        self._pending: dict[str, Member] = {}  # asking to join the running group
+        self._proposal: _Proposal | None = None
         self._view: View | None = None
-        self._left: set[str] = set()
         self._epoch = 0
+        self._live: dict[str, _Liveness] = {}
+        self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
+        self._suspects: set[str] = set()  # being checked
+        self._started_at = time.monotonic()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._window: asyncio.TimerHandle | None = None
         self._handlers: dict[Kind, Callable[[bytes, Envelope], None]] = {
             Kind.JOIN_REQUEST: self.handle_join_request,
             Kind.LEAVE_REQUEST: self.handle_leave_request,
             Kind.STATUS_REQUEST: self.handle_status_request,
+            Kind.HEARTBEAT: self.handle_heartbeat,
+            Kind.SUSPECT: self.handle_suspect,
+            Kind.READY: self.handle_ready,
+            Kind.REJOIN: self.handle_rejoin,
         }
 
     async def _start(self) -> Registry:
@@ -63,6 +111,8 @@ class Registry:
             max_envelope_bytes=self.config.max_message_bytes,
             name="registry",
         )
+        self._started_at = time.monotonic()
+        self._spawn(self._watchdog())
         log.info("registry serving on %s", self._endpoint.address)
         return self
 
@@ -77,6 +127,10 @@ class Registry:
         return self._view
 
     @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
     def dropped_messages(self) -> int:
         """Malformed or unexpected messages dropped so far."""
         return self._endpoint.dropped if self._endpoint is not None else 0
@@ -88,8 +142,19 @@ class Registry:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._window is not None:
+            self._window.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
         if self._endpoint is not None:
             await self._endpoint.aclose()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -101,13 +166,18 @@ class Registry:
             raise ProtocolError(f"{env.kind.name} carries no payload frames")
         handler(sender, env)
 
-    def _reply(self, identity: bytes, kind: Kind, body: dict[str, Any]) -> None:
+    def _reply(self, identity: bytes, kind: Kind, body: dict[str, Any] | None = None) -> None:
         assert self._endpoint is not None
         if not self._endpoint.send_nowait(identity, Envelope(kind, self._epoch, body=body)):
             self.undelivered += 1
             log.info("could not deliver %s to %r (gone, or not reading)", kind.name, identity[:32])
 
-    # -- handlers ---------------------------------------------------------------------------
+    def _member_of(self, sender: bytes) -> str:
+        if sender.endswith(_HB):
+            raise ProtocolError("only heartbeats come from a heartbeat identity")
+        return sender.decode(errors="replace")
+
+    # -- joining ----------------------------------------------------------------------------
 
     def handle_join_request(self, sender: bytes, env: Envelope) -> None:
         fields = Fields(env.body, "JoinRequest")
@@ -117,17 +187,26 @@ class Registry:
         if sender != member.id.encode():
             raise ProtocolError("JoinRequest identity does not match its member id")
         if self._view is not None and self._view.rank_of(member.id) is not None:
-            self._reply(sender, Kind.VIEW_CHANGED, self._view.to_wire())  # a retry
+            self._send_view(member.id, self._view, Change(previous=self._view.epoch))  # a retry
+            return
+        if member.id in self._evicted:
+            self._reply(sender, Kind.JOIN_REJECTED, {"reason": "this member id was evicted"})
             return
         reason = self._join_refusal(member, world_size, wanted)
         if reason:
             log.warning("refused %s: %s", member.describe(), reason)
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": reason})
             return
+        accepted = {"heartbeat_interval": self.config.heartbeat_interval}
+        if self._view is not None:  # a running group: admit at an agreed boundary
+            self._pending[member.id] = member
+            accepted |= {"joined": len(self._pending), "world_size": self._view.size}
+            self._reply(sender, Kind.JOIN_ACCEPTED, accepted | {"running": True})
+            self._schedule_proposal()
+            return
         self._joining[member.id] = _Joiner(member, world_size, wanted)
-        self._reply(
-            sender, Kind.JOIN_ACCEPTED, {"joined": len(self._joining), "world_size": world_size}
-        )
+        accepted |= {"joined": len(self._joining), "world_size": world_size}
+        self._reply(sender, Kind.JOIN_ACCEPTED, accepted | {"running": False})
         if len(self._joining) == world_size:
             self._form_group(world_size)
 
@@ -137,10 +216,7 @@ class Registry:
         except ConfigError as exc:
             return str(exc)
         if self._view is not None:
-            return (
-                f"a group of {self._view.size} is running at epoch {self._view.epoch}; "
-                "wait until it ends or use another registry"
-            )
+            return ""  # joins a running group: its size and rank are the group's business
         others = [j for j in self._joining.values() if j.member.id != member.id]
         if others and others[0].world_size != world_size:
             return (
@@ -161,39 +237,276 @@ class Registry:
                 ranks[joiner.wanted_rank] = joiner.member
         free = iter(j.member for j in joiners if j.wanted_rank is None)
         members = tuple(m if m is not None else next(free) for m in ranks)
-        self._epoch += 1
-        self._view = View(self._epoch, members)
         self._joining.clear()
-        self._left.clear()
-        log.info("formed a group of %d at epoch %d", world_size, self._epoch)
+        log.info("forming a group of %d", world_size)
+        self._publish(members, Change(joined=tuple(m.id for m in members)))
+
+    def _schedule_proposal(self) -> None:
+        if self._window is None and self._proposal is None:
+            loop = asyncio.get_running_loop()
+            self._window = loop.call_later(self.config.join_window, self._propose)
+
+    def _propose(self) -> None:
+        """Ask the members where they are, to admit the pending joiners after that."""
+        self._window = None
+        if self._proposal is not None or not self._pending or self._view is None:
+            return
+        joined = tuple(self._pending)
+        view = View(self._epoch + 1, self._view.members + tuple(self._pending.values()))
+        self._proposal = _Proposal(view, joined)
+        log.info("proposing epoch %d admitting %d joiner(s)", view.epoch, len(joined))
+        for member in self._view.members:
+            self._reply(member.id.encode(), Kind.PROPOSE, {"epoch": view.epoch})
+
+    def handle_ready(self, sender: bytes, env: Envelope) -> None:
+        fields = Fields(env.body, "Ready")
+        epoch = fields.get_int("epoch", 1)
+        next_cid = fields.get_int("next_cid", 1)
+        proposal = self._proposal
+        if proposal is None or epoch != proposal.view.epoch or self._view is None:
+            return  # an answer to a proposal a failure replaced
+        member_id = self._member_of(sender)
+        if self._view.rank_of(member_id) is None:
+            return
+        proposal.ready[member_id] = next_cid
+        if len(proposal.ready) == self._view.size:
+            self._commit(proposal)
+
+    def _commit(self, proposal: _Proposal) -> None:
+        self._proposal = None
+        joined = [m for m in proposal.joined if m in self._pending]
+        for member_id in joined:
+            del self._pending[member_id]
+        boundary = max(proposal.ready.values())
+        assert self._view is not None
+        newcomers = tuple(m for m in proposal.view.members if m.id in joined)
+        change = Change(previous=self._epoch, boundary=boundary, joined=tuple(joined))
+        self._publish(self._view.members + newcomers, change)
+        if self._pending:
+            self._schedule_proposal()
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def _publish(self, members: tuple[Member, ...], change: Change) -> None:
+        """Make the next view of `members` and send it to each of them."""
+        now = time.monotonic()
+        if not members:
+            log.info("epoch %d ended: no members left; ready for a new group", self._epoch)
+            self._view = None
+            self._live.clear()
+            self._proposal = None
+            return
+        self._epoch += 1
+        change = Change(
+            previous=change.previous,
+            boundary=change.boundary,
+            lost=change.lost,
+            left=change.left,
+            joined=change.joined,
+            heartbeat_interval=self.config.heartbeat_interval,
+        )
+        self._view = View(self._epoch, members)
+        self.views_published += 1
         for member in members:
-            self._reply(member.id.encode(), Kind.VIEW_CHANGED, self._view.to_wire())
+            self._live.setdefault(member.id, _Liveness(last_seen=now))
+        for gone in [m for m in self._live if self._view.rank_of(m) is None]:
+            del self._live[gone]
+        log.info(
+            "epoch %d: %d members (lost %s, left %s, joined %d)",
+            self._epoch,
+            len(members),
+            list(change.lost),
+            [m for m, _ in change.left],
+            len(change.joined),
+        )
+        for member in members:
+            self._send_view(member.id, self._view, change)
+
+    def _send_view(self, member_id: str, view: View, change: Change) -> None:
+        self._reply(member_id.encode(), Kind.VIEW_CHANGED, view.to_wire() | change.to_wire())
+
+    def _remove(self, lost: list[str], left: list[tuple[str, int]], reason: str) -> None:
+        """End the current epoch without the given members; pending joiners come in too."""
+        assert self._view is not None
+        gone = set(lost) | {m for m, _ in left}
+        survivors = tuple(m for m in self._view.members if m.id not in gone)
+        for member_id in lost:
+            self._evicted[member_id] = self._epoch + 1
+            self._reply(
+                member_id.encode(), Kind.EVICTED, {"epoch": self._epoch + 1, "reason": reason}
+            )
+        while len(self._evicted) > _MAX_EVICTED:
+            del self._evicted[next(iter(self._evicted))]
+        self._proposal = None  # the members' answers refer to the epoch that just ended
+        joiners = tuple(self._pending.values()) if survivors else ()
+        self._pending = {} if survivors else self._pending
+        change = Change(
+            previous=self._epoch,
+            lost=tuple(lost),
+            left=tuple(left),
+            joined=tuple(m.id for m in joiners),
+        )
+        (log.warning if lost else log.info)("epoch %d ends: %s", self._epoch, reason)
+        self._publish(survivors + joiners, change)
+        if self._pending:
+            self._schedule_proposal()
+
+    # -- leaving ----------------------------------------------------------------------------
 
     def handle_leave_request(self, sender: bytes, env: Envelope) -> None:
-        member_id = sender.decode(errors="replace")
+        member_id = self._member_of(sender)
+        fields = Fields(env.body, "LeaveRequest")
+        last = fields.get_int("last", 0, optional=True) or 0
         if self._joining.pop(member_id, None) is not None:
+            return
+        if self._pending.pop(member_id, None) is not None:
             return
         if self._view is None or self._view.rank_of(member_id) is None:
             return
-        self._left.add(member_id)
-        if len(self._left) == self._view.size:
-            log.info("every member of epoch %d left; ready for a new group", self._epoch)
-            self._view = None
-            self._left.clear()
+        self._remove([], [(member_id, last)], f"member {member_id} left")
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    def handle_heartbeat(self, sender: bytes, env: Envelope) -> None:
+        if not sender.endswith(_HB):
+            raise ProtocolError("a heartbeat must come from a heartbeat identity")
+        member_id = sender[: -len(_HB)].decode(errors="replace")
+        fields = Fields(env.body, "Heartbeat")
+        epoch = fields.get_int("epoch")
+        started = _progress(fields, "started")
+        finished = _progress(fields, "finished")
+        live = self._live.get(member_id)
+        if live is not None:
+            live.last_seen = time.monotonic()
+            live.epoch, live.started, live.finished = epoch, started, finished
+            live.beats += 1
+        elif member_id in self._evicted:
+            evicted_at = self._evicted[member_id]
+            self._reply(
+                member_id.encode(),
+                Kind.EVICTED,
+                {"epoch": evicted_at, "reason": "it was declared dead (silent for too long)"},
+            )
+        elif epoch > 0 and member_id not in self._pending and member_id not in self._joining:
+            self._reply(member_id.encode(), Kind.REREGISTER, {})  # from before a restart
+
+    async def _watchdog(self) -> None:
+        """Declare dead the members silent for longer than the heartbeat timeout."""
+        period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            if self._view is None:
+                continue
+            now = time.monotonic()
+            grace_ends = self._started_at + self.config.heartbeat_timeout
+            silent = [
+                m.id
+                for m in self._view.members
+                if now - self._live[m.id].last_seen > self.config.heartbeat_timeout
+            ]
+            if silent and now >= grace_ends:
+                self._remove(
+                    silent,
+                    [],
+                    f"no heartbeat from {', '.join(silent)} for "
+                    f"{self.config.heartbeat_timeout:g} s",
+                )
+
+    def handle_suspect(self, sender: bytes, env: Envelope) -> None:
+        fields = Fields(env.body, "Suspect")
+        suspect = fields.get_str("member", 64)
+        epoch = fields.get_int("epoch")
+        reporter = self._member_of(sender)
+        view = self._view
+        if view is None or epoch != self._epoch or view.rank_of(reporter) is None:
+            return  # about an epoch already over
+        if view.rank_of(suspect) is None or suspect in self._suspects:
+            return
+        self._suspects.add(suspect)
+        self._spawn(self._check_suspect(suspect, epoch, reporter))
+
+    async def _check_suspect(self, suspect: str, epoch: int, reporter: str) -> None:
+        """Declare `suspect` dead if its own connection to the registry is gone too.
+
+        A process that died closes every connection at once; the registry's may just be
+        noticed a moment later than the peer's, hence a few re-checks. A suspect still
+        connected after them is alive: the epoch is renewed with the same members, so the
+        reporter, which gave up its calls with that peer, can go on.
+        """
+        assert self._endpoint is not None
+        try:
+            for delay in (0.0, *_SUSPECT_CHECKS_S):
+                await asyncio.sleep(delay)
+                if self._view is None or self._epoch != epoch:
+                    return
+                if not self._endpoint.reachable(suspect.encode(), Envelope(Kind.PING)):
+                    self._remove(
+                        [suspect],
+                        [],
+                        f"member {suspect} disconnected (reported by {reporter})",
+                    )
+                    return
+            log.warning("member %s is still connected; renewing epoch %d", suspect, epoch)
+            assert self._view is not None
+            self._publish(self._view.members, Change(previous=self._epoch))
+        finally:
+            self._suspects.discard(suspect)
+
+    # -- restarts ---------------------------------------------------------------------------
+
+    def handle_rejoin(self, sender: bytes, env: Envelope) -> None:
+        """A member of a group this registry did not form (it restarted) reports its view."""
+        member_id = self._member_of(sender)
+        view = View.from_wire(Fields(env.body, "Rejoin").get_map("view"))
+        if view.rank_of(member_id) is None:
+            raise ProtocolError("Rejoin: the view does not list its sender")
+        now = time.monotonic()
+        if self._view is None or view.epoch > self._epoch:
+            log.warning("adopting epoch %d of %d members after a restart", view.epoch, view.size)
+            self._view, self._epoch = view, view.epoch
+            self._live = {m.id: _Liveness(last_seen=now) for m in view.members}
+            self._started_at = now  # a full timeout of grace for everyone to re-register
+        elif view.epoch < self._epoch or self._view.rank_of(member_id) is None:
+            self._reply(
+                sender, Kind.EVICTED, {"epoch": self._epoch, "reason": "the group moved on"}
+            )
+            return
+        self._live[member_id].last_seen = now
+
+    # -- status -----------------------------------------------------------------------------
 
     def handle_status_request(self, sender: bytes, env: Envelope) -> None:
         self._reply(sender, Kind.STATUS_REPLY, self.status())
 
     def status(self) -> dict[str, Any]:
-        """What `dsml status` shows: the group, who is still joining, dropped messages."""
+        """What `dsml status` shows: members with their health and progress, joiners."""
         view = self._view
+        now = time.monotonic()
+        members = []
+        for rank, member in enumerate(view.members if view else ()):
+            live = self._live.get(member.id)
+            members.append(
+                member.to_wire()
+                | {
+                    "rank": rank,
+                    "epoch": live.epoch if live else 0,
+                    "heartbeat_age": round(now - live.last_seen, 3) if live else None,
+                    "heartbeats": live.beats if live else 0,
+                    "started": live.started if live else None,
+                    "finished": live.finished if live else None,
+                }
+            )
         return {
             "epoch": self._epoch,
             "formed": view is not None,
-            "members": [m.to_wire() for m in view.members] if view else [],
-            "left": sorted(self._left),
-            "joining": [j.member.to_wire() for j in self._joining.values()],
+            "members": members,
+            "joining": [j.member.to_wire() for j in self._joining.values()]
+            + [m.to_wire() for m in self._pending.values()],
             "world_size": view.size if view else self._target_size(),
+            "evicted": list(self._evicted)[-16:],
+            "heartbeat_interval": self.config.heartbeat_interval,
+            "heartbeat_timeout": self.config.heartbeat_timeout,
+            "views_published": self.views_published,
             "dropped_messages": self.dropped_messages,
             "undelivered_replies": self.undelivered,
         }
@@ -205,9 +518,21 @@ class Registry:
         state = f"epoch={self._epoch} size={self._view.size}" if self._view else "forming"
         address = self._endpoint.address if self._endpoint else "unbound"
         return (
-            f"<Registry {address} {state} joining={len(self._joining)} "
+            f"<Registry {address} {state} joining={len(self._joining) + len(self._pending)} "
             f"dropped={self.dropped_messages}>"
         )
+
+
+def _progress(fields: Fields, key: str) -> list[Any] | None:
+    """A heartbeat's [epoch, cid, description] of a collective, or None."""
+    value = fields.get_list(key, 3, optional=True)
+    if value is None:
+        return None
+    if len(value) != 3 or type(value[0]) is not int or type(value[1]) is not int:
+        raise ProtocolError(f"Heartbeat.{key} must be [epoch, cid, description]")
+    if type(value[2]) is not str or len(value[2]) > 256:
+        raise ProtocolError(f"Heartbeat.{key} description must be a short string")
+    return list(value)
 
 
 def open_registry(
@@ -225,3 +550,4 @@ def open_registry(
         return await Registry(config)._start()
 
     return Opener(start)
+

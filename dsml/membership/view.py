@@ -14,7 +14,7 @@ from ..errors import ConfigError, ProtocolError
 from ..transport import check_address
 from ..wire import Fields
 
-__all__ = ["Member", "View"]
+__all__ = ["Change", "Member", "View"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +88,57 @@ class View:
 
     def __repr__(self) -> str:
         return f"View(epoch={self.epoch}, size={self.size})"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """Why a view replaced the previous one, sent with it.
+
+    `boundary` is set when the change was agreed with the members (joiners admitted):
+    collectives numbered below it still run in epoch `previous`, the one numbered
+    `boundary` is the first of the new view. Without a boundary the previous epoch is over
+    at once: members were `lost` (died, evicted) or `left` (with the number of their last
+    collective), and every call of that epoch that needs them fails.
+    """
+
+    previous: int = 0
+    boundary: int | None = None
+    lost: tuple[str, ...] = ()
+    left: tuple[tuple[str, int], ...] = ()
+    joined: tuple[str, ...] = ()
+    heartbeat_interval: float = 1.0
+
+    @property
+    def agreed(self) -> bool:
+        return self.boundary is not None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "previous": self.previous,
+            "boundary": self.boundary,
+            "lost": list(self.lost),
+            "left": [[member, last] for member, last in self.left],
+            "joined": list(self.joined),
+            "heartbeat_interval": self.heartbeat_interval,
+        }
+
+    @classmethod
+    def from_wire(cls, fields: Fields) -> Change:
+        left = []
+        for item in fields.get_list("left", 1 << 16):
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or not isinstance(item[0], str)
+                or type(item[1]) is not int
+            ):
+                raise ProtocolError("ViewChanged.left must list [member id, last collective]")
+            left.append((item[0], item[1]))
+        return cls(
+            previous=fields.get_int("previous", 0),
+            boundary=fields.get_int("boundary", 1, optional=True),
+            lost=tuple(fields.get_str_list("lost")),
+            left=tuple(left),
+            joined=tuple(fields.get_str_list("joined")),
+            heartbeat_interval=fields.get_float("heartbeat_interval", 1e-3, 3600.0),
+        )

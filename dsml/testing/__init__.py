@@ -15,10 +15,11 @@ from typing import TypeVar
 
 from .._opener import Opener
 from ..communicator import Communicator, init
-from ..config import CommConfig
+from ..config import CommConfig, RegistryConfig
 from ..membership import Registry, open_registry
+from .faults import Faults, crash, inject
 
-__all__ = ["InProcessCluster", "open_local_cluster"]
+__all__ = ["Faults", "InProcessCluster", "crash", "inject", "open_local_cluster"]
 
 T = TypeVar("T")
 
@@ -58,11 +59,13 @@ class InProcessCluster:
         return f"<InProcessCluster size={len(self.comms)} registry={self.registry.address}>"
 
 
-def open_local_cluster(n: int, *, config: CommConfig | None = None) -> Opener[InProcessCluster]:
+def open_local_cluster(
+    n: int, *, config: CommConfig | None = None, registry_config: RegistryConfig | None = None
+) -> Opener[InProcessCluster]:
     """Start a registry and n communicators (ranks 0..n-1) in this event loop."""
 
     async def start() -> InProcessCluster:
-        registry = await open_registry()
+        registry = await open_registry(config=registry_config)
         joins = [init(registry.address, world_size=n, rank=r, config=config) for r in range(n)]
         outcomes = await asyncio.gather(*joins, return_exceptions=True)
         comms = [c for c in outcomes if isinstance(c, Communicator)]

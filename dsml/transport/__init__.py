@@ -4,6 +4,7 @@ One endpoint (bound ROUTER) per worker with a single reader task, DEALER channel
 per-key mailboxes, and receipts for buffers sent without copying.
 """
 
+from .beacon import Beacon
 from .context import check_address, live_sockets
 from .mailbox import Mailbox
 from .malloc import tune_malloc
@@ -12,6 +13,7 @@ from .tracker import DONE, Sent, wait_sent
 
 __all__ = [
     "DONE",
+    "Beacon",
     "Channel",
     "Endpoint",
     "Handler",

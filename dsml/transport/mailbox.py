@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 __all__ = ["Mailbox"]
@@ -98,6 +98,10 @@ class Mailbox(Generic[T]):
         if not queues:
             self._groups.pop(group, None)
         return dropped
+
+    def discard_where(self, old: Callable[[Hashable], bool]) -> int:
+        """Drop every group for which `old(group)` is true; returns how many items."""
+        return sum(self.discard(group) for group in [g for g in self._groups if old(g)])
 
     def groups(self) -> list[Hashable]:
         return list(self._groups)

@@ -30,6 +30,7 @@ from ..errors import ConfigError, DsmlError, ProtocolError
 from ..wire import MAX_ENVELOPE_BYTES, Envelope, decode, encode
 from .context import check_address, new_socket
 from .tracker import DONE, Sent
+from .watch import DisconnectWatch
 
 __all__ = ["Channel", "Endpoint", "Handler"]
 
@@ -228,6 +229,18 @@ class Endpoint:
     def received(self) -> int:
         return self._reader.received
 
+    def reachable(self, identity: bytes, env: Envelope) -> bool:
+        """Whether a peer of that identity is connected now (a small message is sent)."""
+        try:
+            _try_send(self._sock, [identity, *_frames(env, ())])
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        finally:
+            self._reader.kick()
+        return True  # sent, or its queue is full: connected either way
+
     def send_nowait(self, identity: bytes, env: Envelope, payload: Sequence[Any] = ()) -> bool:
         """Send to a connected peer by identity without waiting.
 
@@ -258,11 +271,17 @@ class Channel:
     """A DEALER connected to one remote endpoint, identifying itself as `identity`."""
 
     def __init__(
-        self, sock: zmq.Socket[bytes], address: str, threshold: int, reader: _Reader | None
+        self,
+        sock: zmq.Socket[bytes],
+        address: str,
+        threshold: int,
+        reader: _Reader | None,
+        watch: DisconnectWatch | None = None,
     ) -> None:
         self._sock = sock
         self._threshold = threshold
         self._reader = reader
+        self._watch = watch
         self.address = address
 
     @classmethod
@@ -275,8 +294,12 @@ class Channel:
         handler: Handler | None = None,
         max_frame_bytes: int = 64 << 20,
         linger_s: float = 1.0,
+        on_disconnect: Callable[[], None] | None = None,
     ) -> Channel:
-        """Connect to address; with a handler, also read what the endpoint sends back."""
+        """Connect to address; with a handler, also read what the endpoint sends back.
+
+        `on_disconnect()` is called (on the loop) whenever the connection drops.
+        """
         check_address(address, "peer address")
         sock = new_socket(
             zmq.DEALER,
@@ -297,7 +320,8 @@ class Channel:
             reader = _Reader(
                 sock, handler, routed=False, max_envelope_bytes=max_frame_bytes, name="channel"
             )
-        return cls(sock, address, copy_threshold, reader)
+        watch = DisconnectWatch(sock, on_disconnect) if on_disconnect is not None else None
+        return cls(sock, address, copy_threshold, reader, watch)
 
     async def send(self, env: Envelope, payload: Sequence[Any] = ()) -> Sent:
         """Queue a message; payload frames >= the copy threshold are not copied.
@@ -335,6 +359,8 @@ class Channel:
         """Close; queued messages still get `linger_s` seconds to leave."""
         if self._reader is not None:
             await self._reader.aclose()
+        if self._watch is not None:
+            self._watch.close()
         linger = None if linger_s is None else int(linger_s * 1000)
         self._sock.close(linger)
 

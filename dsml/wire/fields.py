@@ -73,6 +73,30 @@ class Fields:
                 raise ProtocolError(f"{self._what}: field {key!r} holds a bad integer")
         return list(value)
 
+    def get_float(self, key: str, lo: float, hi: float) -> float:
+        """A finite number in [lo, hi] (an int is accepted)."""
+        value = self._get(key, False)
+        if type(value) not in (int, float) or not lo <= value <= hi:
+            raise ProtocolError(f"{self._what}: field {key!r} must be a number in [{lo}, {hi}]")
+        return float(value)
+
+    def get_list(self, key: str, max_len: int = 4096, *, optional: bool = False) -> Any:
+        """A list of at most max_len items (items unchecked: the caller checks them)."""
+        value = self._get(key, optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, list) or len(value) > max_len:
+            raise ProtocolError(f"{self._what}: field {key!r} must be a list")
+        return value
+
+    def get_str_list(self, key: str, max_len: int = 65536, item_len: int = 64) -> list[str]:
+        """A list of at most max_len strings, each at most item_len characters."""
+        value = self.get_list(key, max_len)
+        for item in value:
+            if type(item) is not str or len(item) > item_len:
+                raise ProtocolError(f"{self._what}: field {key!r} holds a bad string")
+        return list(value)
+
     def map_list(self, key: str, max_len: int = 65536) -> list[Fields]:
         """A list of maps, each returned as Fields."""
         value = self._get(key, False)

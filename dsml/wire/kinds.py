@@ -19,9 +19,16 @@ class Kind(enum.IntEnum):
     JOIN_REJECTED = 3  # registry: "you cannot join" (reason)
     VIEW_CHANGED = 4  # registry: "this is the group now" (epoch, members in ring order)
     LEAVE_REQUEST = 5  # worker: "I am leaving the group"
-    HEARTBEAT = 6  # worker: "I am alive" (reserved for failure detection)
+    HEARTBEAT = 6  # worker: "I am alive; my epoch, last started and finished collective"
     STATUS_REQUEST = 7  # anyone: "describe the group"
     STATUS_REPLY = 8  # registry: the description
+    SUSPECT = 9  # worker: "my connection to this member dropped" (member id)
+    PROPOSE = 10  # registry: "members want in: where will you be?" (proposed epoch)
+    READY = 11  # worker: "my next collective id is n; I hold later calls" (proposed epoch)
+    EVICTED = 12  # registry: "you are no longer a member" (epoch, reason)
+    REREGISTER = 13  # registry: "I restarted and do not know you: tell me your view"
+    REJOIN = 14  # worker: "I am this member of this view" (after REREGISTER)
+    PING = 15  # registry: "are you connected?" (ignored; only its delivery matters)
 
     # -- data plane: peer <-> peer --------------------------------------------------------
     CHUNK = 20  # peer: "payload of step/chunk of collective #cid" (raw frames follow)

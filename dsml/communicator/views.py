@@ -1,0 +1,385 @@
+"""Changes of membership as one rank sees them (communicator layer).
+
+The registry's news arrives here (`Listener`), and every collective that cannot start at
+once passes `admit()` first. The rules, the same on every rank:
+
+- **Loss** (a member died, or was evicted): every call of the epoch in flight fails with
+  `PeerLostError`. If none was in flight, the next call fails instead, so that every
+  survivor's program sees the loss exactly once. The call after that waits for the
+  registry's new view, then runs in it as collective #1.
+- **Leave** (a member closed its communicator after collective #last): calls up to #last
+  run normally; the first one after fails as before (the member closed), and the next one
+  runs in the new view.
+- **Join** (agreed with the registry): the registry asks where each member is; the rank
+  answers with its next collective id and holds the calls from there on. The registry
+  takes the largest answer as the boundary: calls below it run in the old epoch, the one
+  at the boundary waits for them to finish, then runs first in the new view. Nothing of
+  the old epoch is disturbed.
+- **Eviction**: this rank was declared dead (it was silent too long). Every call fails
+  with `EvictedError`; the application may join again as a new member.
+
+A dropped connection to a peer (seen by the transport's socket monitor) counts as a loss
+here at once and is reported to the registry, which checks it and publishes the new view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EvictedError, MembershipChangedError, PeerLostError
+from ..membership import Change, RegistryClient, View
+from .call import Call
+from .mesh import Mesh
+
+__all__ = ["ViewKeeper"]
+
+log = logging.getLogger("dsml.communicator")
+
+ViewListener = Callable[[View, View], Any]
+
+
+@dataclass(slots=True)
+class _Broken:
+    """The current epoch lost members: who, and up to which collective it still runs."""
+
+    epoch: int
+    lost: dict[int, str] = field(default_factory=dict)  # rank -> how it was lost
+    limit: int = 0  # calls numbered up to this still run (members that left did them)
+    owed: bool = False  # no call failed yet: the next one must
+    only_left: bool = False  # members only left (closed): the mesh raises their error
+
+
+class ViewKeeper:
+    """Applies the registry's views to one rank's mesh; see the module docstring."""
+
+    def __init__(self, mesh: Mesh, registry: RegistryClient, view_timeout: float) -> None:
+        self.mesh = mesh
+        self.registry = registry
+        self.view_timeout = view_timeout
+        self.latest: View | None = mesh.view  # the newest view the registry sent
+        self.interrupt_on_join = False  # elastic: the first call after a join raises
+        self.listeners: list[ViewListener] = []
+        self.installed = 0
+        self._transitions: list[tuple[int, View]] = []  # agreed joins: (boundary, view)
+        self._gate: tuple[int, int] | None = None  # (epoch, cid) from which calls wait
+        self._broken: _Broken | None = None
+        self._evicted: str | None = None
+        self._changed = asyncio.Event()
+        self._waiters: list[asyncio.Future[View]] = []
+        mesh.on_peer_lost = self.peer_disconnected
+
+    # -- the registry's news ------------------------------------------------------------------
+
+    def on_view(self, view: View, change: Change) -> None:
+        if self._evicted is not None or view.epoch <= self._newest_epoch():
+            return
+        self.latest = view
+        self._gate = None
+        base = self._transitions[-1][1].epoch if self._transitions else self.mesh.epoch
+        if change.boundary is not None and change.previous == base and self._broken is None:
+            self._transitions.append((change.boundary, view))
+        else:
+            self._transitions.clear()
+            self._break(view, change)
+        self._wake()
+
+    def on_propose(self, epoch: int) -> None:
+        if self._evicted is not None or self._broken is not None:
+            return  # a new view without boundary is coming anyway
+        next_cid = self.mesh.next_cid
+        base = self.mesh.epoch
+        for boundary, view in self._transitions:  # count in the numbering of the last one
+            next_cid, base = max(next_cid, boundary) - boundary + 1, view.epoch
+        self._gate = (base, next_cid)
+        self.registry.ready(epoch, next_cid)
+
+    def on_evicted(self, epoch: int, reason: str) -> None:
+        if self._evicted is not None or epoch <= self.mesh.epoch:
+            return
+        self._evicted = (
+            f"this worker was evicted from the group at epoch {epoch}: {reason}. Its calls "
+            "cannot run; join again as a new member (dsml.init, or dsml.elastic.run does it)"
+        )
+        log.warning("%s", self._evicted)
+        self.registry.stop_heartbeats()
+        self.mesh.fail_all(lambda call: self._evicted_error(call))
+        self._wake()
+
+    def on_reregister(self) -> None:
+        self._gate = None  # the proposal died with the registry that made it
+        self._wake()
+
+    def peer_disconnected(self, member_id: str) -> None:
+        """The transport saw a peer's connection drop without a goodbye."""
+        view = self.mesh.view
+        rank = view.rank_of(member_id) if view is not None else None
+        if view is None or rank is None or self._evicted is not None:
+            return
+        log.warning("lost the connection to rank %d (%s)", rank, member_id)
+        self.registry.suspect(member_id, view.epoch)
+        if self._broken is None or self._broken.epoch != view.epoch:
+            self._broken = _Broken(view.epoch, owed=True)
+        self._broken.only_left = False
+        self._broken.lost[rank] = "its connection dropped (the process died or closed)"
+        failed = self.mesh.fail_all(self._lost_error)
+        self._broken.owed = self._broken.owed and not failed
+        self._wake()
+
+    def _break(self, view: View, change: Change) -> None:
+        mesh_view = self.mesh.view
+        assert mesh_view is not None
+        broken = self._broken
+        if broken is None or broken.epoch != mesh_view.epoch:
+            broken = self._broken = _Broken(mesh_view.epoch, limit=1 << 62, owed=True)
+        failed = 0
+        for member_id, last in change.left:
+            rank = mesh_view.rank_of(member_id)
+            if rank is not None:
+                broken.limit = min(broken.limit, last)
+                failed += self.mesh.peer_closed(rank, last)
+        gone = set(change.lost) | {m for m in mesh_view.members if view.rank_of(m.id) is None}
+        gone -= {m for m, _ in change.left}
+        for member_id in gone:
+            rank = mesh_view.rank_of(member_id)
+            if rank is not None:
+                broken.lost.setdefault(rank, "it was declared dead")
+        if broken.lost or not change.left:
+            broken.limit = 0  # a loss (or a renewed epoch): nothing more of it runs
+            failed += self.mesh.fail_all(self._lost_error)
+            if not broken.lost:
+                broken.lost[-1] = "the registry renewed the epoch"
+        broken.only_left = not broken.lost
+        broken.owed = broken.owed and not failed
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def immediate(self) -> bool:
+        """Whether the next collective can start now, with no view work to do first."""
+        if self._evicted is not None or self._broken is not None:
+            return False
+        cid = self.mesh.next_cid
+        if self._transitions and cid >= self._transitions[0][0]:
+            return False
+        return self._gate is None or (self.mesh.epoch, cid) < self._gate
+
+    async def admit(self) -> None:
+        """Wait until the next collective id of the mesh may be used; install views on
+        the way. Raises the error a call must fail with instead of running."""
+        while True:
+            if self._evicted is not None:
+                raise self._evicted_error(None)
+            cid = self.mesh.next_cid
+            broken = self._broken
+            if broken is not None and broken.epoch == self.mesh.epoch:
+                if cid <= broken.limit:
+                    return
+                if broken.owed:
+                    broken.owed = False
+                    if not broken.only_left:
+                        raise self._lost_error(None)
+                    return  # a leave: the call fails in the mesh (that member closed)
+                await self._install(await self._newer_view())
+                continue
+            if self._transitions and cid >= self._transitions[0][0]:
+                _boundary, view = self._transitions.pop(0)
+                await self._install(view)
+                if self.interrupt_on_join:
+                    raise MembershipChangedError(
+                        f"the group changed to {view.size} members at epoch {view.epoch} "
+                        "(members joined); state must be synchronised again",
+                        rank=self.mesh.rank,
+                        epoch=view.epoch,
+                    )
+                continue
+            if self._gate is not None and (self.mesh.epoch, cid) >= self._gate:
+                await self._next_change()
+                continue
+            return
+
+    def ensure_current(self) -> None:
+        """For point-to-point calls (no collective id): fail, or move to the new view now.
+
+        After members only left (closed their communicators), point-to-point calls go on
+        in the current view: messages sent before a close are still delivered, and a call
+        naming a member that closed fails saying so. After a loss the first call fails
+        (unless one already did), and the next one moves to the survivors' view.
+        """
+        if self._evicted is not None:
+            raise self._evicted_error(None)
+        broken = self._broken
+        if broken is None or broken.epoch != self.mesh.epoch or broken.only_left:
+            return
+        if broken.owed and not broken.only_left:
+            broken.owed = False
+            raise self._lost_error(None)
+        latest = self.latest
+        if latest is None or latest.epoch <= self.mesh.epoch or self.mesh.calls:
+            raise MembershipChangedError(
+                f"the group is changing after epoch {self.mesh.epoch} lost members; "
+                "point-to-point calls resume once the new view is in place (try again)",
+                rank=self.mesh.rank,
+                epoch=self.mesh.epoch,
+            )
+        self._apply(latest)
+
+    async def _newer_view(self) -> View:
+        try:
+            async with asyncio.timeout(self.view_timeout):
+                while self.latest is None or self.latest.epoch <= self.mesh.epoch:
+                    if self._evicted is not None:
+                        raise self._evicted_error(None)
+                    await self._next_change()
+        except TimeoutError:
+            raise PeerLostError(
+                f"rank {self.mesh.rank} lost members of epoch {self.mesh.epoch} and no new "
+                f"view came from the registry at {self.registry.address} within "
+                f"{self.view_timeout:g} s: is the registry running?",
+                lost=sorted(self._broken.lost) if self._broken else (),
+                rank=self.mesh.rank,
+                epoch=self.mesh.epoch,
+            ) from None
+        return self.latest
+
+    async def _next_change(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def _install(self, view: View) -> None:
+        """Wait for this epoch's calls to end, then switch the mesh to `view`."""
+        while self.mesh.calls:
+            tasks = [c.task for c in self.mesh.calls.values() if c.task is not None]
+            if not tasks:
+                break
+            await asyncio.wait(tasks)
+            await asyncio.sleep(0)  # let the calls' done callbacks forget them
+        self._apply(view)
+
+    def _apply(self, view: View) -> None:
+        old = self.mesh.view
+        assert old is not None
+        self.mesh.fail_all(
+            lambda call: MembershipChangedError(
+                f"recv from rank {call.peer} was pending when the group moved to epoch "
+                f"{view.epoch}; point-to-point messages do not cross a change of view",
+                rank=self.mesh.rank,
+                epoch=old.epoch,
+                collective="recv",
+            )
+        )
+        self.mesh.set_view(view)
+        self.installed += 1
+        if self._broken is not None and self._broken.epoch < view.epoch:
+            self._broken = None
+        if self.latest is None or self.latest.epoch < view.epoch:
+            self.latest = view
+        log.info("epoch %d: rank %d of %d", view.epoch, self.mesh.rank, view.size)
+        beacon = self.registry.beacon
+        if beacon is not None:
+            beacon.beat_now()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(view)
+        self._waiters.clear()
+        for listener in list(self.listeners):
+            try:
+                listener(old, view)
+            except Exception:
+                log.exception("a view listener failed")
+
+    def _wake(self) -> None:
+        self._changed.set()
+
+    def _newest_epoch(self) -> int:
+        return max(self.mesh.epoch, self.latest.epoch if self.latest is not None else 0)
+
+    # -- for the application --------------------------------------------------------------------
+
+    def next_view(self) -> View:
+        """The view the next collective will run in, as far as this rank knows now."""
+        view = self.mesh.view
+        assert view is not None
+        broken = self._broken
+        if broken is not None and not broken.owed and self.latest is not None:
+            return self.latest if self.latest.epoch > view.epoch else view
+        if self._transitions and self.mesh.next_cid >= self._transitions[0][0]:
+            return self._transitions[0][1]
+        return view
+
+    def pending_view(self) -> View | None:
+        """A newer view known but not installed yet (None if none)."""
+        latest = self.latest
+        if self._transitions:
+            return self._transitions[-1][1]
+        if latest is not None and self.mesh.view is not None and latest.epoch > self.mesh.epoch:
+            return latest
+        return None
+
+    async def wait_installed(self, timeout: float | None = None) -> View:
+        """Wait until this rank switches to a new view; returns it."""
+        waiter: asyncio.Future[View] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+    async def wait_known(self, timeout: float | None = None) -> View:
+        """Wait until a view newer than the installed one is known; returns it."""
+        async with asyncio.timeout(timeout):
+            while self.pending_view() is None:
+                if self._evicted is not None:
+                    raise self._evicted_error(None)
+                await self._next_change()
+        view = self.pending_view()
+        assert view is not None
+        return view
+
+    @property
+    def evicted(self) -> bool:
+        return self._evicted is not None
+
+    # -- errors ---------------------------------------------------------------------------------
+
+    def _lost_error(self, call: Call | None) -> PeerLostError:
+        broken = self._broken
+        lost = dict(broken.lost) if broken is not None else {}
+        epoch = broken.epoch if broken is not None else self.mesh.epoch
+        view = self.mesh.view
+        names = "; ".join(
+            f"rank {r} ({view.members[r].describe()}): {why}"
+            if view is not None and 0 <= r < view.size
+            else why
+            for r, why in sorted(lost.items())
+        )
+        what = (
+            f"collective #{call.cid} {call.fingerprint.describe()}"
+            if call is not None and call.cid
+            else "this call"
+        )
+        when = "failed" if call is not None else "did not run"
+        return PeerLostError(
+            f"{what} {when} on rank {self.mesh.rank}: the group of epoch {epoch} lost "
+            f"{names or 'a member'}. Inputs are unchanged. The next call runs in the new view "
+            "of the survivors (restore and re-synchronise state first: dsml.elastic does it)",
+            lost=sorted(r for r in lost if r >= 0),
+            rank=self.mesh.rank,
+            epoch=epoch,
+            cid=call.cid if call is not None else None,
+            collective=call.fingerprint.collective if call is not None else None,
+        )
+
+    def _evicted_error(self, call: Call | None) -> EvictedError:
+        return EvictedError(
+            self._evicted or "this worker was evicted",
+            rank=self.mesh.rank,
+            epoch=self.mesh.epoch,
+            cid=call.cid if call is not None else None,
+            collective=call.fingerprint.collective if call is not None else None,
+        )
