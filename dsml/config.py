@@ -62,7 +62,13 @@ class CommConfig:
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "join_timeout", "registry_timeout", "probe_timeout", "view_timeout"):
+        for name in (
+            "timeout",
+            "join_timeout",
+            "registry_timeout",
+            "probe_timeout",
+            "view_timeout",
+        ):
             _positive(name, getattr(self, name))
         _require(
             isinstance(self.chunk_bytes, int) and self.chunk_bytes >= 4096,

@@ -118,7 +118,8 @@ async def test_a_joiner_after_the_group_formed_is_admitted_at_the_next_collectiv
         assert (comm.rank, comm.world_size, comm.epoch) == (0, 1, 1)
         async with dsml.init(registry.address, 1, config=FAST) as joiner:
             assert (joiner.rank, joiner.world_size, joiner.epoch) == (1, 2, 2)
-            assert registry.view is not None and registry.view.size == 2
+            assert registry.view is not None
+            assert registry.view.size == 2
             # The member switches at the agreed boundary: its next collective.
             assert comm.world_size == 2
             xs = [np.full(3, 1.0), np.full(3, 2.0)]
@@ -138,7 +139,8 @@ async def test_after_every_member_left_the_registry_forms_a_new_group_at_a_highe
             assert not registry.status()["formed"]
         assert [len(e) for e in epochs] == [1, 1, 1]
         firsts = [e.pop() for e in epochs]
-        assert firsts[0] == 1 and firsts == sorted(set(firsts))
+        assert firsts[0] == 1
+        assert firsts == sorted(set(firsts))
 
 
 async def test_a_member_that_leaves_makes_a_view_of_the_others_and_the_last_ends_the_group():

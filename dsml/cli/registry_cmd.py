@@ -60,9 +60,10 @@ def _main(args: argparse.Namespace) -> int:
 
 async def _serve(config: RegistryConfig) -> int:
     async with open_registry(config=config) as registry:
+        print(f"dsml registry serving on {registry.address}", flush=True)
         print(
-            f"dsml registry serving on {registry.address} (heartbeats every "
-            f"{config.heartbeat_interval:g} s, timeout {config.heartbeat_timeout:g} s)",
+            f"heartbeats every {config.heartbeat_interval:g} s; a member silent for "
+            f"{config.heartbeat_timeout:g} s is declared dead",
             flush=True,
         )
         loop = asyncio.get_running_loop()

@@ -109,7 +109,7 @@ class Communicator:
         self._keeper.listeners.append(callback)
         return lambda: self._keeper.listeners.remove(callback)
 
-    async def wait_view_change(self, timeout: float | None = None) -> View:
+    async def wait_view_change(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
         """Wait until the registry announces a view newer than the current one (a member
         lost, left or joined); returns it. It is used from the next collective on."""
         return await self._keeper.wait_known(timeout)
@@ -143,7 +143,7 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Reduce x over all ranks, in place on every rank; the handle gives x."""
         return self._collective(
-            lambda: self._planner.all_reduce(x, op, algorithm, self.world_size),
+            lambda: self._planner.all_reduce(x, op, algorithm, self._mesh.size),
             lambda: loose_fingerprint("all_reduce", x, op),
             timeout,
         )
@@ -153,7 +153,7 @@ class Communicator:
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
         return self._collective(
-            lambda: self._planner.reduce(x, root, op, self.rank, self.world_size),
+            lambda: self._planner.reduce(x, root, op, self._mesh.rank, self._mesh.size),
             lambda: loose_fingerprint("reduce", x, op, root),
             timeout,
         )
@@ -163,7 +163,7 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
         return self._collective(
-            lambda: self._planner.broadcast(x, root, self.rank, self.world_size),
+            lambda: self._planner.broadcast(x, root, self._mesh.rank, self._mesh.size),
             lambda: loose_fingerprint("broadcast", x, None, root),
             timeout,
         )
@@ -181,7 +181,7 @@ class Communicator:
     ) -> CollectiveHandle[Array | None]:
         """Like all_gather, but only root gets the result; others get None."""
         return self._collective(
-            lambda: self._planner.gather(x, root, self.world_size),
+            lambda: self._planner.gather(x, root, self._mesh.size),
             lambda: loose_fingerprint("gather", x, None, root),
             timeout,
         )
@@ -191,7 +191,7 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
         return self._collective(
-            lambda: self._planner.scatter(x, root, self.rank, self.world_size),
+            lambda: self._planner.scatter(x, root, self._mesh.rank, self._mesh.size),
             lambda: loose_fingerprint("scatter", x, None, root),
             timeout,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
@@ -126,7 +127,7 @@ class Mesh:
                     self.member_id.encode(),
                     copy_threshold=self.config.zero_copy_min_bytes,
                     max_frame_bytes=self.config.max_frame_bytes,
-                    on_disconnect=lambda member_id=member.id: self._disconnected(member_id),
+                    on_disconnect=functools.partial(self._disconnected, member.id),
                 )
                 if self.wrap_channel is not None:
                     channel = self.wrap_channel(member.id, channel)
@@ -147,7 +148,8 @@ class Mesh:
 
     def rewrap(self) -> None:
         """Apply `wrap_channel` to the channels already open."""
-        assert self.wrap_channel is not None and self.view is not None
+        assert self.wrap_channel is not None
+        assert self.view is not None
         for member_id in self._by_member:
             self._by_member[member_id] = self.wrap_channel(member_id, self._by_member[member_id])
         for peer, member in enumerate(self.view.members):
@@ -427,10 +429,11 @@ class Mesh:
         how many failed."""
         failed = 0
         for call in [*self.calls.values(), *self.receives]:
-            if call.cid > after or call in self.receives:
-                if call.failure is None and not (call.task is not None and call.task.done()):
-                    call.fail(make_error(call))
-                    failed += 1
+            wanted = call.cid > after or call in self.receives
+            running = call.failure is None and not (call.task is not None and call.task.done())
+            if wanted and running:
+                call.fail(make_error(call))
+                failed += 1
         return failed
 
     def peer_left_error(self, peer: int, what: str) -> CollectiveAbortedError:

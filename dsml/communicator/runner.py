@@ -115,12 +115,12 @@ class Runner:
         return CollectiveHandle(call.task, call.fingerprint.collective, call.cid)
 
     async def _admit_then_run(
-        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
+        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], budget: float | None
     ) -> Any:
         try:
             async with self._admission:
                 await self._keeper.admit()
-                call = self._start(plan, loose, timeout)
+                call = self._start(plan, loose, budget)
         finally:
             self._deferred -= 1
         assert call.task is not None

@@ -66,6 +66,7 @@ class ViewKeeper:
         self.listeners: list[ViewListener] = []
         self.installed = 0
         self._transitions: list[tuple[int, View]] = []  # agreed joins: (boundary, view)
+        self._failed_view: View | None = None  # the view that ended the epoch abruptly
         self._gate: tuple[int, int] | None = None  # (epoch, cid) from which calls wait
         self._broken: _Broken | None = None
         self._evicted: str | None = None
@@ -80,21 +81,32 @@ class ViewKeeper:
             return
         self.latest = view
         self._gate = None
-        base = self._transitions[-1][1].epoch if self._transitions else self.mesh.epoch
-        if change.boundary is not None and change.previous == base and self._broken is None:
+        if change.boundary is not None and change.previous == self._base()[0]:
             self._transitions.append((change.boundary, view))
         else:
             self._transitions.clear()
+            self._failed_view = view
             self._break(view, change)
         self._wake()
 
-    def on_propose(self, epoch: int) -> None:
-        if self._evicted is not None or self._broken is not None:
-            return  # a new view without boundary is coming anyway
-        next_cid = self.mesh.next_cid
-        base = self.mesh.epoch
+    def _base(self) -> tuple[int, int]:
+        """(epoch, next collective id) of the last view this rank has agreed to enter."""
+        broken, failed = self._broken, self._failed_view
+        if broken is not None and broken.epoch == self.mesh.epoch and failed is not None:
+            epoch, next_cid = failed.epoch, 1
+        else:
+            epoch, next_cid = self.mesh.epoch, self.mesh.next_cid
         for boundary, view in self._transitions:  # count in the numbering of the last one
-            next_cid, base = max(next_cid, boundary) - boundary + 1, view.epoch
+            epoch, next_cid = view.epoch, max(next_cid, boundary) - boundary + 1
+        return epoch, next_cid
+
+    def on_propose(self, epoch: int) -> None:
+        if self._evicted is not None:
+            return
+        broken = self._broken
+        if broken is not None and broken.epoch == self.mesh.epoch and self._failed_view is None:
+            return  # the registry's view of the loss is coming: it replaces the proposal
+        base, next_cid = self._base()
         self._gate = (base, next_cid)
         self.registry.ready(epoch, next_cid)
 
@@ -142,7 +154,7 @@ class ViewKeeper:
             if rank is not None:
                 broken.limit = min(broken.limit, last)
                 failed += self.mesh.peer_closed(rank, last)
-        gone = set(change.lost) | {m for m in mesh_view.members if view.rank_of(m.id) is None}
+        gone = set(change.lost) | {m.id for m in mesh_view.members if view.rank_of(m.id) is None}
         gone -= {m for m, _ in change.left}
         for member_id in gone:
             rank = mesh_view.rank_of(member_id)
@@ -217,7 +229,7 @@ class ViewKeeper:
         if broken.owed and not broken.only_left:
             broken.owed = False
             raise self._lost_error(None)
-        latest = self.latest
+        latest = self._failed_view
         if latest is None or latest.epoch <= self.mesh.epoch or self.mesh.calls:
             raise MembershipChangedError(
                 f"the group is changing after epoch {self.mesh.epoch} lost members; "
@@ -230,7 +242,7 @@ class ViewKeeper:
     async def _newer_view(self) -> View:
         try:
             async with asyncio.timeout(self.view_timeout):
-                while self.latest is None or self.latest.epoch <= self.mesh.epoch:
+                while self._failed_view is None or self._failed_view.epoch <= self.mesh.epoch:
                     if self._evicted is not None:
                         raise self._evicted_error(None)
                     await self._next_change()
@@ -243,7 +255,7 @@ class ViewKeeper:
                 rank=self.mesh.rank,
                 epoch=self.mesh.epoch,
             ) from None
-        return self.latest
+        return self._failed_view
 
     async def _next_change(self) -> None:
         self._changed.clear()
@@ -303,9 +315,9 @@ class ViewKeeper:
         """The view the next collective will run in, as far as this rank knows now."""
         view = self.mesh.view
         assert view is not None
-        broken = self._broken
-        if broken is not None and not broken.owed and self.latest is not None:
-            return self.latest if self.latest.epoch > view.epoch else view
+        broken, failed = self._broken, self._failed_view
+        if broken is not None and not broken.only_left and failed is not None:
+            return failed if failed.epoch > view.epoch else view
         if self._transitions and self.mesh.next_cid >= self._transitions[0][0]:
             return self._transitions[0][1]
         return view
@@ -319,7 +331,7 @@ class ViewKeeper:
             return latest
         return None
 
-    async def wait_installed(self, timeout: float | None = None) -> View:
+    async def wait_installed(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
         """Wait until this rank switches to a new view; returns it."""
         waiter: asyncio.Future[View] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -330,7 +342,7 @@ class ViewKeeper:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
 
-    async def wait_known(self, timeout: float | None = None) -> View:
+    async def wait_known(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
         """Wait until a view newer than the installed one is known; returns it."""
         async with asyncio.timeout(timeout):
             while self.pending_view() is None:

@@ -550,4 +550,3 @@ def open_registry(
         return await Registry(config)._start()
 
     return Opener(start)
-
