@@ -9,6 +9,7 @@
 See README.md and docs/ for concepts, the protocol and the command line.
 """
 
+from . import elastic
 from ._version import __version__
 from .collectives.ops import ReduceOp
 from .communicator import CollectiveHandle, Communicator, init
@@ -57,6 +58,7 @@ __all__ = [
     "Tagged",
     "Var",
     "__version__",
+    "elastic",
     "init",
     "open_registry",
 ]

@@ -103,6 +103,17 @@ class Communicator:
         """Whether the registry declared this worker dead; it must join again."""
         return self._keeper.evicted
 
+    @property
+    def interrupt_on_join(self) -> bool:
+        """When true, the first collective after members joined raises
+        `MembershipChangedError` instead of running, so the application can bring the
+        joiners up to date first (`dsml.elastic.run` sets it)."""
+        return self._keeper.interrupt_on_join
+
+    @interrupt_on_join.setter
+    def interrupt_on_join(self, value: bool) -> None:
+        self._keeper.interrupt_on_join = bool(value)
+
     def on_view_change(self, callback: ViewListener) -> Callable[[], None]:
         """Call `callback(old_view, new_view)` each time this rank switches views (on the
         loop, at a collective boundary); returns a function that removes it."""
