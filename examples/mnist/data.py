@@ -129,7 +129,10 @@ def load_full(data_dir: Path) -> Dataset:
         train_y.astype(np.int64),
         _pixels(test_x.reshape(len(test_x), -1)),
         test_y.astype(np.int64),
-        source=f"full MNIST from {data_dir} (60,000 train / 10,000 test images, checksums OK)",
+        source=(
+            f"full MNIST from {data_dir} ({len(train_y):,} train / {len(test_y):,} test "
+            "images, SHA-256 checked)"
+        ),
     )
 
 
