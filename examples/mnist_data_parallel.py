@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 from mnist.data import DataError, Dataset, load
@@ -102,56 +102,65 @@ async def evaluate(comm: dsml.Communicator, model: MLP, data: Dataset) -> tuple[
     return totals[0] / len(data.test_labels), totals[1] / len(data.test_labels)
 
 
-async def train(comm: dsml.Communicator, args: argparse.Namespace, data: Dataset) -> dict:
+async def train(comm: dsml.Communicator, args: argparse.Namespace, data: Dataset) -> dict[str, Any]:
     model = MLP(seed=args.seed)
     await comm.broadcast(model.params, root=0)  # every rank starts from rank 0's weights
-    images, labels = data.train_images, data.train_labels
-    steps_per_epoch = -(-len(labels) // args.batch_size)
+    steps = -(-len(data.train_labels) // args.batch_size)
     report = Reporter(comm.rank == 0, progress=not args.no_progress)
     report.line(
         f"model: MLP {'-'.join(map(str, model.sizes))}, {model.params.size:,} float32 "
         f"parameters ({model.grads.nbytes / 1024:.0f} KiB of gradients per all_reduce); "
-        f"{comm.world_size} ranks, global batch {args.batch_size} "
-        f"({args.batch_size // comm.world_size} per rank), lr {args.lr}, "
-        f"{steps_per_epoch} steps per epoch, all_reduce algorithm {args.algorithm}"
+        f"world size {comm.world_size}, global batch {args.batch_size} "
+        f"(~{args.batch_size // comm.world_size} per rank), lr {args.lr}, "
+        f"{steps} steps per epoch, all_reduce algorithm {args.algorithm}"
     )
     epochs = []
     for epoch in range(args.epochs):
-        batches = global_batches(len(labels), args.batch_size, args.seed, epoch)
-        loss_sum = reduce_s = 0.0
-        await comm.barrier()  # start the clock together
-        start = time.perf_counter()
-        for batch in report.progress(batches, steps_per_epoch, f"epoch {epoch + 1}"):
-            step_loss, step_reduce_s = await train_step(
-                comm, model, images, labels, batch, args.lr, args.algorithm
-            )
-            loss_sum += step_loss
-            reduce_s += step_reduce_s
-        train_s = time.perf_counter() - start
-        # mean over ranks of this epoch's training loss sum and all_reduce time
-        sums = np.array([loss_sum, reduce_s], dtype=np.float64)
-        total_loss, mean_reduce_s = await comm.all_reduce(sums, op="sum") / [1, comm.world_size]
-        test_loss, accuracy = await evaluate(comm, model, data)
-        epochs.append(
-            {
-                "epoch": epoch + 1,
-                "train_loss": total_loss / len(labels),
-                "test_loss": test_loss,
-                "test_accuracy": accuracy,
-                "train_s": train_s,
-                "step_ms": train_s / steps_per_epoch * 1e3,
-                "all_reduce_ms": mean_reduce_s / steps_per_epoch * 1e3,
-            }
-        )
+        epochs.append(await run_epoch(comm, model, data, args, epoch, report))
         report.epoch(epochs[-1], args.epochs)
     return {
         "world_size": comm.world_size,
         "algorithm": args.algorithm,
         "batch_size": args.batch_size,
-        "train_images": len(labels),
-        "steps_per_epoch": steps_per_epoch,
+        "train_images": len(data.train_labels),
+        "steps_per_epoch": steps,
         "data": data.source,
         "epochs": epochs,
+    }
+
+
+async def run_epoch(
+    comm: dsml.Communicator,
+    model: MLP,
+    data: Dataset,
+    args: argparse.Namespace,
+    epoch: int,
+    report: Reporter,
+) -> dict[str, Any]:
+    """Train one epoch and test; the figures every rank agrees on (times: rank means)."""
+    images, labels = data.train_images, data.train_labels
+    steps = -(-len(labels) // args.batch_size)
+    batches = global_batches(len(labels), args.batch_size, args.seed, epoch)
+    loss_sum = reduce_s = 0.0
+    await comm.barrier()  # start the clock together
+    start = time.perf_counter()
+    for batch in report.progress(batches, steps, f"epoch {epoch + 1}"):
+        step_loss, step_reduce_s = await train_step(
+            comm, model, images, labels, batch, args.lr, args.algorithm
+        )
+        loss_sum += step_loss
+        reduce_s += step_reduce_s
+    train_s = time.perf_counter() - start
+    sums = await comm.all_reduce(np.array([loss_sum, reduce_s, train_s]))
+    test_loss, accuracy = await evaluate(comm, model, data)
+    return {
+        "epoch": epoch + 1,
+        "train_loss": sums[0] / len(labels),
+        "test_loss": test_loss,
+        "test_accuracy": accuracy,
+        "train_s": sums[2] / comm.world_size,
+        "step_ms": sums[2] / comm.world_size / steps * 1e3,
+        "all_reduce_ms": sums[1] / comm.world_size / steps * 1e3,
     }
 
 
@@ -166,7 +175,7 @@ class Reporter:
         if self.enabled:
             print(text, flush=True)
 
-    def progress(self, items: Iterable[np.ndarray], total: int, label: str) -> Iterable:
+    def progress(self, items: Iterable[np.ndarray], total: int, label: str) -> Iterable[np.ndarray]:
         if not self.progress_enabled:
             return items
         try:
@@ -179,7 +188,7 @@ class Reporter:
         # redrawn with carriage returns would only appear when the epoch ends.
         return tqdm(items, total=total, desc=label, mininterval=2.0, file=_Lines(sys.stderr))
 
-    def epoch(self, row: dict, epochs: int) -> None:
+    def epoch(self, row: dict[str, Any], epochs: int) -> None:
         share = row["all_reduce_ms"] / row["step_ms"]
         self.line(
             f"epoch {row['epoch']}/{epochs}: train loss {row['train_loss']:.4f}, "
