@@ -48,6 +48,9 @@ class CommConfig:
         bind: address the worker's endpoint binds; port 0 lets the OS choose.
         tune_malloc: raise glibc's malloc thresholds so ZeroMQ's receive buffers are
             reused instead of page-faulted anew (see dsml/transport/malloc.py).
+        gpu_reduce: where collectives on cupy arrays compute: "host" stages the array
+            through pinned memory and runs numpy's algorithms there; "device" runs them on
+            the cupy array with cupy kernels. Unmeasured so far (docs/operations.md).
     """
 
     timeout: float = 120.0
@@ -60,6 +63,7 @@ class CommConfig:
     zero_copy_min_bytes: int = 64 * 1024
     bind: str = "tcp://127.0.0.1:0"
     tune_malloc: bool = True
+    gpu_reduce: str = "host"
 
     def __post_init__(self) -> None:
         for name in (
@@ -86,6 +90,10 @@ class CommConfig:
         _require(
             isinstance(self.bind, str) and self.bind.startswith(("tcp://", "ipc://")),
             f"bind must be a tcp:// or ipc:// address, got {self.bind!r}",
+        )
+        _require(
+            self.gpu_reduce in ("host", "device"),
+            f"gpu_reduce must be 'host' or 'device', got {self.gpu_reduce!r}",
         )
 
 

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from dsml.transport import live_sockets
+from tests.gpu_fakes import use_fake_cupy
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -42,3 +43,9 @@ async def no_leaks():
     assert live_sockets() == sockets_before, (
         f"{live_sockets() - sockets_before} dsml sockets left open"
     )
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """`import cupy` gives tests/fakes/cupy (numpy underneath) for the test's duration."""
+    yield from use_fake_cupy(monkeypatch)

@@ -2,7 +2,8 @@
 
 Runs N ranks on this machine (through the same launcher as `dsml run`) and prints, per size
 and algorithm, the median time of one all_reduce, the algorithm bandwidth (bytes / time)
-and the bus bandwidth (algbw x 2(P-1)/P, comparable across world sizes).
+and the bus bandwidth (algbw x 2(P-1)/P, comparable across world sizes). Arrays are numpy,
+or cupy with `--device cuda` (rank i on GPU i modulo the GPU count).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from ..collectives import ALL_REDUCE_ALGORITHMS, DTYPES, check_op
 from ..config import parse_size
 from ..errors import ConfigError
-from .run import launch
+from .run import check_device, launch
 
 __all__ = ["add_parser", "format_table"]
 
@@ -45,6 +46,11 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--iters", type=int, default=0, help="timed calls per size (default: by size)"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (numpy arrays) or cuda (cupy arrays, rank i on GPU i modulo the GPU count)",
+    )
     parser.add_argument("--registry", help="an existing registry (default: embedded)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.set_defaults(handler=_main)
@@ -64,6 +70,7 @@ def _main(args: argparse.Namespace) -> int:
     algorithms = _algorithms(args.algorithm)
     if args.nprocs < 1:
         raise ConfigError("-n must be at least 1")
+    device = check_device(args.device)
     argv = [
         sys.executable,
         "-m",
@@ -90,16 +97,16 @@ def _main(args: argparse.Namespace) -> int:
             print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout)
 
     if not args.json:
-        print(header(args.nprocs, args.op, args.dtype), flush=True)
-    code = asyncio.run(launch(argv, args.nprocs, args.registry, on_line=on_line))
+        print(header(args.nprocs, args.op, args.dtype, device or "cpu"), flush=True)
+    code = asyncio.run(launch(argv, args.nprocs, args.registry, on_line=on_line, device=device))
     if args.json:
         print(json.dumps(rows, indent=2))
     return code
 
 
-def header(world_size: int, op: str, dtype: str) -> str:
+def header(world_size: int, op: str, dtype: str, device: str = "cpu") -> str:
     return (
-        f"# dsml bench: world_size={world_size} op={op} dtype={dtype}\n"
+        f"# dsml bench: world_size={world_size} op={op} dtype={dtype} device={device}\n"
         f"# {'bytes':>12} {'algorithm':>12} {'time(us)':>12} {'algbw(GB/s)':>12} "
         f"{'busbw(GB/s)':>12}"
     )

@@ -3,6 +3,10 @@
 For every size and algorithm: a few warm-up calls, then timed calls each preceded by a
 barrier. A call's time is the slowest rank's; the median over calls is reported. Rank 0
 prints one `DSML_BENCH_ROW {json}` line per measurement for the `dsml bench` command.
+
+Arrays live on `comm.device` (DSML_DEVICE, set by `dsml bench --device`): numpy on "cpu",
+cupy on "cuda:N". A cupy all_reduce returns once the result is back on the GPU, so its
+times include the copies through host memory.
 """
 
 from __future__ import annotations
@@ -31,10 +35,20 @@ def iterations(nbytes: int) -> int:
     return 6
 
 
+def zeros(comm: dsml.Communicator, count: int, dtype: Any) -> Any:
+    """The benchmark's array on comm.device: numpy, or cupy under `--device cuda`."""
+    if comm.device == "cpu":
+        return np.zeros(count, dtype=dtype)
+    import cupy  # the device was checked by dsml.init
+
+    with cupy.cuda.Device(int(comm.device.split(":")[1])):
+        return cupy.zeros(count, dtype=dtype)
+
+
 async def measure(
     comm: dsml.Communicator, nbytes: int, algorithm: str, op: str, dtype: Any, iters: int
 ) -> float:
-    x = np.zeros(nbytes // dtype.itemsize, dtype=dtype)
+    x = zeros(comm, nbytes // dtype.itemsize, dtype)
     for _ in range(max(2, iters // 5)):
         await comm.all_reduce(x, op, algorithm=algorithm)
     times = np.empty(iters)
@@ -71,6 +85,7 @@ async def main(args: argparse.Namespace) -> None:
                 median = await measure(comm, nbytes, algorithm, args.op, dtype, iters)
                 if comm.rank == 0:
                     result = row(nbytes, comm.world_size, algorithm, args.op, median)
+                    result["device"] = comm.device
                     print(ROW_PREFIX + json.dumps(result), flush=True)
 
 

@@ -34,14 +34,21 @@ _CONSEQUENCE_GRACE_S = 2.0  # how long a rank that caused others' failure has to
 
 
 def rank_environment(
-    base: Mapping[str, str], rank: int, world_size: int, registry: str
+    base: Mapping[str, str], rank: int, world_size: int, registry: str, device: str | None = None
 ) -> dict[str, str]:
-    """The environment of one rank: DSML_* for dsml.init, and what torchrun users expect."""
+    """The environment of one rank: DSML_* for dsml.init, and what torchrun users expect.
+
+    With `device` ("cpu", "cuda" or "cuda:N") every rank gets DSML_DEVICE; with "cuda",
+    `dsml.init()` then picks GPU LOCAL_RANK % gpu count, so rank i gets GPU i.
+    """
     env = dict(base)
+    if device is not None:
+        env["DSML_DEVICE"] = device
     env.update(
         DSML_REGISTRY=registry,
         DSML_WORLD_SIZE=str(world_size),
         DSML_RANK=str(rank),
+        DSML_LOCAL_RANK=str(rank),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -110,8 +117,10 @@ class Launch:
         grace_s: float = 5.0,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
+        device: str | None = None,
     ) -> None:
         self.argv = list(argv)
+        self.device = device
         self.world_size = world_size
         self.registry = registry
         self.failures: list[Failure] = []
@@ -142,7 +151,7 @@ class Launch:
         return self._exit_code()
 
     async def _spawn(self, rank: int) -> asyncio.subprocess.Process:
-        env = rank_environment(self._env, rank, self.world_size, self.registry)
+        env = rank_environment(self._env, rank, self.world_size, self.registry, self.device)
         return await asyncio.create_subprocess_exec(
             *self.argv,
             env=env,

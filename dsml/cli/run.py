@@ -2,7 +2,8 @@
 
 Without `--registry` an embedded registry runs inside the launcher, so one command starts a
 whole job. Each rank gets DSML_REGISTRY, DSML_WORLD_SIZE and DSML_RANK (so `dsml.init()`
-needs no arguments) and the variables torchrun users rely on.
+needs no arguments) and the variables torchrun users rely on. `--device cuda` adds
+DSML_DEVICE, so rank i's `dsml.init()` takes GPU i modulo the GPU count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import sys
 from typing import Any
 
+from ..collectives.devices import parse_device, resolve_device
 from ..membership import open_registry
 from .launcher import Launch
 
@@ -32,6 +34,10 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=5.0,
         help="seconds the other ranks get to exit after one fails (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        help="cpu, cuda (rank i gets GPU i modulo the GPU count) or cuda:N; sets DSML_DEVICE",
     )
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead")
     parser.add_argument("script", nargs="?", help="the Python script to run")
@@ -56,7 +62,17 @@ def _main(args: argparse.Namespace) -> int:
     else:
         print("dsml run: give a SCRIPT (or -m MODULE)", file=sys.stderr)
         return 2
-    return asyncio.run(launch(argv, args.nprocs, args.registry, grace_s=args.grace))
+    device = check_device(args.device)
+    return asyncio.run(launch(argv, args.nprocs, args.registry, grace_s=args.grace, device=device))
+
+
+def check_device(text: str | None) -> str | None:
+    """Validate a --device flag here, once, rather than in every rank (ConfigError)."""
+    if text is None:
+        return None
+    spec = parse_device(text)
+    resolve_device(spec, 0)  # cupy installed, a GPU visible, cuda:N in range
+    return str(spec)
 
 
 async def launch(

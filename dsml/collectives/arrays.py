@@ -1,9 +1,9 @@
 """Everything the collectives need from an array, behind one small interface (collectives).
 
 Algorithms never touch numpy directly: they ask an `ArrayBackend` for the bytes of a span
-to send, and to reduce or write received bytes into a span. A GPU backend (cupy) plugs in
-here without changing any algorithm; `backend_of` finds it by the array's type, without
-importing cupy unless such an array is passed.
+to send, and to reduce or write received bytes into a span. The GPU backend (cupy, in
+cuda.py) plugs in here without changing any algorithm; `backend_of` finds it by the array's
+type, without importing cupy unless such an array is passed.
 
 Arrays handed to algorithms are flat (1-D) and C-contiguous; spans are element ranges.
 """
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .devices import is_cupy_array
 from .ops import ReduceOp
 
 __all__ = ["NUMPY", "ArrayBackend", "BufferPool", "backend_of"]
@@ -116,17 +117,19 @@ NUMPY = ArrayBackend()
 
 
 def backend_of(x: object, what: str = "x") -> ArrayBackend:
-    """The backend for x's array type; ConfigError when x is not an array dsml knows."""
+    """The backend for x's array type; ConfigError when x is not an array dsml knows.
+
+    For a cupy array this imports cupy (and dsml's CUDA module) on first use.
+    """
     if NUMPY.owns(x):
         return NUMPY
-    module = type(x).__module__.split(".")[0]
-    if module == "cupy":
-        raise ConfigError(
-            f"{what} is a cupy array; GPU arrays are not supported by this version of dsml "
-            "yet: copy it to the host with .get() first"
-        )
+    if is_cupy_array(x):
+        from . import cuda  # cupy is imported only when a cupy array is seen
+
+        return cuda.cupy_backend(cuda.device_index(x))
     raise ConfigError(
-        f"{what} must be a numpy array, got {type(x).__name__}; wrap it with numpy.asarray"
+        f"{what} must be a numpy array (or a cupy array), got {type(x).__name__}; "
+        "wrap it with numpy.asarray"
     )
 
 

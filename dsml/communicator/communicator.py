@@ -22,6 +22,7 @@ from .engine_link import EngineLink
 from .handle import CollectiveHandle
 from .mesh import Mesh
 from .p2p import PointToPoint
+from .placement import Placement
 from .plans import Plan, Planner, loose_fingerprint
 from .runner import Runner
 from .views import ViewKeeper, ViewListener
@@ -41,14 +42,16 @@ class Communicator:
         registry: RegistryClient,
         config: CommConfig,
         loop: asyncio.AbstractEventLoop,
+        device: str = "cpu",
     ) -> None:
         self.config = config
         self._mesh = mesh
         self._registry = registry
         self._keeper = ViewKeeper(mesh, registry, config.view_timeout)
         self._runner = Runner(mesh, self._keeper, config, loop)
-        self._planner = Planner(config.chunk_bytes)
-        self._p2p = PointToPoint(mesh)
+        self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
+        self._planner = Planner(config.chunk_bytes, self._placement)
+        self._p2p = PointToPoint(mesh, self._placement)
         self._keeper.listeners.append(lambda _old, _new: self._p2p.reset())
         self._link = EngineLink(self._runner, lambda: (self.rank, self.epoch))
         registry.attach(self._keeper)
@@ -131,7 +134,9 @@ class Communicator:
 
     @property
     def device(self) -> str:
-        return "cpu"
+        """ "cpu" or "cuda:N": where arrays this communicator creates without an input go
+        (`recv`, `scatter` on non-roots). Collectives on an array work on its own device."""
+        return self._placement.device
 
     def statistics(self) -> dict[str, int]:
         """Counters of the data plane: messages dropped as malformed, of an older epoch
@@ -154,9 +159,10 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Reduce x over all ranks, in place on every rank; the handle gives x."""
         return self._collective(
-            lambda: self._planner.all_reduce(x, op, algorithm, self._mesh.size),
+            lambda caller: self._planner.all_reduce(x, op, algorithm, self._mesh.size, caller),
             lambda: loose_fingerprint("all_reduce", x, op),
             timeout,
+            x,
         )
 
     def reduce(
@@ -164,9 +170,10 @@ class Communicator:
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
         return self._collective(
-            lambda: self._planner.reduce(x, root, op, self._mesh.rank, self._mesh.size),
+            lambda caller: self._planner.reduce(x, root, op, self._mesh.rank, self._mesh.size, caller),
             lambda: loose_fingerprint("reduce", x, op, root),
             timeout,
+            x,
         )
 
     def broadcast(
@@ -174,17 +181,19 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
         return self._collective(
-            lambda: self._planner.broadcast(x, root, self._mesh.rank, self._mesh.size),
+            lambda caller: self._planner.broadcast(x, root, self._mesh.rank, self._mesh.size, caller),
             lambda: loose_fingerprint("broadcast", x, None, root),
             timeout,
+            x,
         )
 
     def all_gather(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Every rank's x concatenated along axis 0 in rank order (a new array)."""
         return self._collective(
-            lambda: self._planner.all_gather(x),
+            lambda caller: self._planner.all_gather(x, caller),
             lambda: loose_fingerprint("all_gather", x),
             timeout,
+            x,
         )
 
     def gather(
@@ -192,9 +201,10 @@ class Communicator:
     ) -> CollectiveHandle[Array | None]:
         """Like all_gather, but only root gets the result; others get None."""
         return self._collective(
-            lambda: self._planner.gather(x, root, self._mesh.size),
+            lambda caller: self._planner.gather(x, root, self._mesh.size, caller),
             lambda: loose_fingerprint("gather", x, None, root),
             timeout,
+            x,
         )
 
     def scatter(
@@ -202,9 +212,10 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
         return self._collective(
-            lambda: self._planner.scatter(x, root, self._mesh.rank, self._mesh.size),
+            lambda caller: self._planner.scatter(x, root, self._mesh.rank, self._mesh.size, caller),
             lambda: loose_fingerprint("scatter", x, None, root),
             timeout,
+            x,
         )
 
     def reduce_scatter(
@@ -212,31 +223,44 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Rank r receives the reduction of numpy.array_split(x, world_size)[r]."""
         return self._collective(
-            lambda: self._planner.reduce_scatter(x, op),
+            lambda caller: self._planner.reduce_scatter(x, op, caller),
             lambda: loose_fingerprint("reduce_scatter", x, op),
             timeout,
+            x,
         )
 
     def all_to_all(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
         concatenated in rank order."""
         return self._collective(
-            lambda: self._planner.all_to_all(x),
+            lambda caller: self._planner.all_to_all(x, caller),
             lambda: loose_fingerprint("all_to_all", x),
             timeout,
+            x,
         )
 
     def barrier(self, *, timeout: float | None = None) -> CollectiveHandle[None]:
         """Return once every rank has entered the barrier."""
-        return self._collective(self._planner.barrier, lambda: Fingerprint("barrier"), timeout)
+        return self._collective(
+            lambda _caller: self._planner.barrier(), lambda: Fingerprint("barrier"), timeout
+        )
 
     def _collective(
-        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
+        self,
+        plan: Callable[[Any], Plan],
+        loose: Callable[[], Fingerprint],
+        timeout: float | None,
+        x: object = None,
     ) -> CollectiveHandle[Any]:
+        caller = self._placement.caller_stream(x)  # in the caller's thread (CUDA streams)
+
+        def planned() -> Plan:
+            return plan(caller)
+
         def start() -> CollectiveHandle[Any]:
             if self._link.must_queue():
-                return self._link.queue(plan, loose, timeout)
-            return self._runner.collective(plan, loose, timeout)
+                return self._link.queue(planned, loose, timeout)
+            return self._runner.collective(planned, loose, timeout)
 
         return self._runner.on_loop(start)
 
@@ -250,10 +274,12 @@ class Communicator:
         The handle completes once x may be modified again (not when dst has received it).
         """
 
+        caller = self._placement.caller_stream(x)
+
         def start() -> CollectiveHandle[None]:
             self._keeper.ensure_current()
             budget = self._runner.budget(timeout)
-            _fp, send = self._p2p.plan_send(x, dst, tag)
+            _fp, send = self._p2p.plan_send(x, dst, tag, caller)
             what = f"send to rank {dst} (tag {tag})"
             hint = f"is rank {dst} alive and connected?"
             return CollectiveHandle(self._runner.p2p(send, budget, what, hint, dst), "send", 0)
@@ -263,7 +289,7 @@ class Communicator:
     def recv(
         self, src: int, *, tag: int = 0, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
-        """Receive the next array rank src sent with this tag (a new array)."""
+        """Receive the next array rank src sent with this tag (a new array on comm.device)."""
 
         def start() -> CollectiveHandle[Array]:
             self._keeper.ensure_current()

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Mapping
 
 from .._opener import Opener
+from ..collectives.devices import DeviceSpec, parse_device, resolve_device
 from ..config import CommConfig, env_float, env_int, environ
 from ..errors import ConfigError
 from ..membership import Member, RegistryClient
@@ -32,6 +33,8 @@ class _JoinArgs:
     rank: int | None
     name: str
     config: CommConfig
+    device: DeviceSpec
+    local_rank: int | None  # picks the GPU of device="cuda" (else the rank does)
 
 
 def _resolve(
@@ -59,10 +62,11 @@ def _resolve(
     rank = rank if rank is not None else env_int(env, "DSML_RANK")
     if rank is not None and not 0 <= rank < size:
         raise ConfigError(f"rank={rank} is out of range for world_size={size}")
-    if device not in (None, "cpu"):
-        raise ConfigError(
-            f"device={device!r} is not supported by this version of dsml: only 'cpu' (numpy)"
-        )
+    spec = parse_device(device if device is not None else env.get("DSML_DEVICE") or None)
+    local_rank = env_int(env, "LOCAL_RANK")
+    local_rank = local_rank if local_rank is not None else env_int(env, "DSML_LOCAL_RANK")
+    if spec.is_cuda:  # fail before joining: cupy missing, no GPU, no such GPU
+        resolve_device(spec, local_rank if local_rank is not None else rank)
     config = config or CommConfig()
     timeout = timeout if timeout is not None else env_float(env, "DSML_TIMEOUT")
     if timeout is not None:
@@ -71,7 +75,7 @@ def _resolve(
     if bind and config.bind == CommConfig().bind:
         config = dataclasses.replace(config, bind=bind)
     name = name if name is not None else env.get("DSML_NAME", "")
-    return _JoinArgs(registry, size, rank, name, config)
+    return _JoinArgs(registry, size, rank, name, config, spec, local_rank)
 
 
 def _advertised(address: str) -> str:
@@ -94,13 +98,25 @@ async def _join(args: _JoinArgs) -> Communicator:
         registry.open()
         view = await registry.join(args.world_size, args.rank)
         mesh.set_view(view)
+        device = _place(args, mesh.rank)
     except BaseException:
         with contextlib.suppress(Exception):
             await registry.leave()  # the registry must not keep a member that is not coming
         await registry.aclose()
         await mesh.aclose()
         raise
-    return Communicator(mesh, registry, args.config, loop)
+    return Communicator(mesh, registry, args.config, loop, device)
+
+
+def _place(args: _JoinArgs, rank: int) -> str:
+    """The communicator's device; a CUDA one becomes this thread's current device."""
+    local_rank = args.local_rank if args.local_rank is not None else rank
+    device = resolve_device(args.device, local_rank)
+    if device != "cpu":
+        from ..collectives import cuda  # cupy only when CUDA is asked for
+
+        cuda.use_device(int(device.split(":")[1]))
+    return device
 
 
 def init(
@@ -122,13 +138,17 @@ def init(
         name: a label shown by status tools.
         timeout: default seconds a collective may take (default: `DSML_TIMEOUT`, else 120).
         config: all other settings (`CommConfig`).
-        device: "cpu" (numpy arrays).
+        device: "cpu", "cuda:N", or "cuda" for GPU `LOCAL_RANK % gpu count` (LOCAL_RANK,
+            else DSML_LOCAL_RANK, else the rank); default `DSML_DEVICE`, else "cpu". A
+            CUDA device becomes the calling thread's current device, and arrays made
+            without an input (`recv`, `scatter` on non-roots) are cupy arrays there.
 
     Use `async with dsml.init(...) as comm:` or `comm = await dsml.init(...)` followed by
     `await comm.aclose()`.
 
     Raises:
-        ConfigError: missing or invalid arguments, or the registry refused this worker.
+        ConfigError: missing or invalid arguments, the registry refused this worker, or a
+            CUDA device was asked for without cupy or without a GPU.
         RegistryUnavailableError: no registry answered at the address.
         JoinTimeoutError: the group did not form within `config.join_timeout`.
     """

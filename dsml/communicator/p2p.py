@@ -5,7 +5,8 @@ receives per (peer, tag), and a receive checks that the message it takes carries
 number it expects. A message is one ZeroMQ multipart message: the envelope, whose
 fingerprint describes dtype and shape, then the payload in frames of at most
 `max_frame_bytes`. The receiver gets a new array (a single-frame payload is used in place,
-without a copy).
+without a copy) on `comm.device`. A cupy array is sent through pinned host memory, after
+the work queued on the caller's stream.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any
 
 from ..collectives import DTYPES, NUMPY, backend_of, dtype_name
 from ..collectives.chunking import chunk_spans
+from ..collectives.devices import is_cupy_array
 from ..errors import ConfigError, ProtocolError
 from ..wire import Envelope, Fingerprint, Kind
 from .mesh import PEER_LEFT, Mesh
+from .placement import Placement
 
 __all__ = ["PointToPoint"]
 
@@ -33,8 +36,9 @@ _MAX_FRAMES = 4096
 class PointToPoint:
     """Sequence numbers and the send/recv bodies for one communicator."""
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh, placement: Placement) -> None:
         self._mesh = mesh
+        self._placement = placement
         self._sent: Counter[tuple[int, int]] = Counter()
         self._received: Counter[tuple[int, int]] = Counter()
 
@@ -53,14 +57,23 @@ class PointToPoint:
             raise ConfigError(f"tag={tag!r} must be an integer in [0, 2**31)")
         return peer, tag
 
-    def plan_send(self, x: Array, dst: object, tag: object) -> tuple[Fingerprint, Any]:
-        """Validate a send; returns its fingerprint and the coroutine function sending it."""
+    def plan_send(
+        self, x: Array, dst: object, tag: object, caller: Any = None
+    ) -> tuple[Fingerprint, Any]:
+        """Validate a send; returns its fingerprint and the coroutine function sending it.
+
+        `caller` is the calling thread's current CUDA stream when x is a cupy array.
+        """
         dst, tag = self._check_peer(dst, tag, "dst")
         be = backend_of(x)
         fp = Fingerprint("send", dtype_name(x.dtype), x.size, x.shape)
         frame_elems = max(1, self._mesh.config.max_frame_bytes // x.dtype.itemsize)
         if math.ceil(x.size / frame_elems) > _MAX_FRAMES:
             raise ConfigError(f"send: {x.nbytes} bytes is more than one message may carry")
+        if is_cupy_array(x):
+            from ..collectives import cuda  # only once a cupy array is seen
+
+            cuda.after_caller(x, caller)  # the payload copies wait for the caller's kernels
         mesh = self._mesh
 
         async def send() -> None:
@@ -121,11 +134,11 @@ class PointToPoint:
             raise ProtocolError(f"rank {src} sent a message whose size does not match its shape")
         be = NUMPY  # received bytes live in host memory
         if len(frames) == 1:
-            return be.view(frames[0], dtype).reshape(fp.shape)
+            return await self._placement.on_device(be.view(frames[0], dtype).reshape(fp.shape))
         out = be.empty(fp.count, dtype)
         offset = 0
         for frame in frames:
             n = frame.nbytes // dtype.itemsize
             be.write(out, offset, offset + n, frame)
             offset += n
-        return out.reshape(fp.shape)
+        return await self._placement.on_device(out.reshape(fp.shape))

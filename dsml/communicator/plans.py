@@ -1,9 +1,10 @@
 """Validating a collective call and planning its execution (communicator layer).
 
-Each `plan_*` function checks the caller's arguments on this rank (raising `ConfigError`
+Each public method checks the caller's arguments on this rank (raising `ConfigError`
 before anything is sent), builds the call's fingerprint, and returns the coroutine that
 runs it once a `Call` exists. Results are written into the caller's array only after the
-algorithm has succeeded, so a failed call leaves every input intact.
+algorithm has succeeded, so a failed call leaves every input intact. Plans are made for
+numpy arrays; `Placement` (placement.py) adapts them to cupy arrays.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..collectives import (
     ALL_REDUCE,
@@ -38,6 +39,9 @@ from ..collectives.group import wait_receipts
 from ..errors import ConfigError
 from ..wire import Fingerprint
 from .call import Call
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 __all__ = ["Plan", "Planner", "loose_fingerprint"]
 
@@ -88,9 +92,10 @@ def _rows_view(x: Array) -> Array:
 class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
-    def __init__(self, chunk_bytes: int) -> None:
+    def __init__(self, chunk_bytes: int, placement: Placement) -> None:
         self._pools: dict[str, BufferPool] = {}
         self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
+        self._placement = placement
 
     def pool(self, be: ArrayBackend) -> BufferPool:
         if be.name not in self._pools:
@@ -106,7 +111,7 @@ class Planner:
         """(x as a plain array sharing its memory, its backend, its dtype's wire name)."""
         be = backend_of(x, what)
         name = dtype_name(x.dtype)  # type: ignore[attr-defined]
-        if writable and not x.flags.writeable:  # type: ignore[attr-defined]
+        if writable and not getattr(x.flags, "writeable", True):  # type: ignore[attr-defined]
             raise ConfigError(f"{what} is read-only, but this collective writes its result into it")
         return be.plain(x), be, name
 
@@ -134,7 +139,10 @@ class Planner:
 
     # -- reductions in place ----------------------------------------------------------------
 
-    def all_reduce(self, x: Array, op: Any, algorithm: Any, size: int) -> Plan:
+    def all_reduce(self, x: Array, op: Any, algorithm: Any, size: int, caller: Any = None) -> Plan:
+        return self._placement.wrap(x, lambda a: self._all_reduce(a, op, algorithm, size), caller)
+
+    def _all_reduce(self, x: Array, op: Any, algorithm: Any, size: int) -> Plan:
         x, be, dtype = self._array(x, writable=True)
         reduce_op = check_op(op, dtype)
         algo = check_algorithm(algorithm)
@@ -166,7 +174,13 @@ class Planner:
 
         return Plan(fp, body)
 
-    def reduce(self, x: Array, root: Any, op: Any, rank: int, size: int) -> Plan:
+    def reduce(
+        self, x: Array, root: Any, op: Any, rank: int, size: int, caller: Any = None
+    ) -> Plan:
+        plan = self._reduce
+        return self._placement.wrap(x, lambda a: plan(a, root, op, rank, size), caller)
+
+    def _reduce(self, x: Array, root: Any, op: Any, rank: int, size: int) -> Plan:
         root = self._root(root, size)
         x, be, dtype = self._array(x, writable=rank == root)
         reduce_op = check_op(op, dtype)
@@ -187,7 +201,17 @@ class Planner:
 
         return Plan(fp, body)
 
-    def broadcast(self, x: Array, root: Any, rank: int, size: int) -> Plan:
+    def broadcast(self, x: Array, root: Any, rank: int, size: int, caller: Any = None) -> Plan:
+        is_root = rank == root
+        return self._placement.wrap(
+            x,
+            lambda a: self._broadcast(a, root, rank, size),
+            caller,
+            needs_input=is_root,  # the others receive everything
+            writes_back=not is_root,  # the root's array does not change
+        )
+
+    def _broadcast(self, x: Array, root: Any, rank: int, size: int) -> Plan:
         root = self._root(root, size)
         x, be, dtype = self._array(x, writable=rank != root)
         fp = Fingerprint("broadcast", dtype, x.size, x.shape, None, root, chunk_bytes=self._chunk)
@@ -208,7 +232,10 @@ class Planner:
 
         return Plan(fp, body)
 
-    def reduce_scatter(self, x: Array, op: Any) -> Plan:
+    def reduce_scatter(self, x: Array, op: Any, caller: Any = None) -> Plan:
+        return self._placement.wrap(x, lambda a: self._reduce_scatter(a, op), caller)
+
+    def _reduce_scatter(self, x: Array, op: Any) -> Plan:
         x, be, dtype = self._array(x)
         reduce_op = check_op(op, dtype)
         rows_x = _rows_view(x)
@@ -231,7 +258,9 @@ class Planner:
                 await wait_receipts(sent)  # src may be x, which the caller gets back
             lo, hi = spans[call.rank]
             mine = row_spans[call.rank]
-            result = out[lo:hi].copy().reshape(mine[1] - mine[0], *trailing)
+            result = be.empty(hi - lo, src.dtype)  # through the backend: cupy's stream too
+            be.copy(result, 0, hi - lo, out[lo:hi])
+            result = result.reshape(mine[1] - mine[0], *trailing)
             self._release(be, out, copy)
             return result
 
@@ -239,7 +268,10 @@ class Planner:
 
     # -- data movement ----------------------------------------------------------------------
 
-    def all_gather(self, x: Array) -> Plan:
+    def all_gather(self, x: Array, caller: Any = None) -> Plan:
+        return self._placement.wrap(x, self._all_gather, caller)
+
+    def _all_gather(self, x: Array) -> Plan:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint("all_gather", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)
@@ -252,7 +284,10 @@ class Planner:
 
         return Plan(fp, body)
 
-    def gather(self, x: Array, root: Any, size: int) -> Plan:
+    def gather(self, x: Array, root: Any, size: int, caller: Any = None) -> Plan:
+        return self._placement.wrap(x, lambda a: self._gather(a, root, size), caller)
+
+    def _gather(self, x: Array, root: Any, size: int) -> Plan:
         root = self._root(root, size)
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
@@ -268,17 +303,21 @@ class Planner:
 
         return Plan(fp, body)
 
-    def scatter(self, x: Array | None, root: Any, rank: int, size: int) -> Plan:
+    def scatter(self, x: Array | None, root: Any, rank: int, size: int, caller: Any = None) -> Plan:
         root = self._root(root, size)
         if rank != root:
             fp = Fingerprint("scatter", root=root, chunk_bytes=self._chunk)
 
             async def receive(call: Call) -> Array:
-                return await scatter_direct(call, NUMPY, None, 0, (), root)
+                part = await scatter_direct(call, NUMPY, None, 0, (), root)
+                return await self._placement.on_device(part)  # no input: on comm.device
 
             return Plan(fp, receive)
         if x is None:
             raise ConfigError(f"scatter: the root (rank {root}) must pass the array to scatter")
+        return self._placement.wrap(x, lambda a: self._deal(a, root), caller)
+
+    def _deal(self, x: Array, root: int) -> Plan:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint(
@@ -293,7 +332,10 @@ class Planner:
 
         return Plan(fp, deal)
 
-    def all_to_all(self, x: Array) -> Plan:
+    def all_to_all(self, x: Array, caller: Any = None) -> Plan:
+        return self._placement.wrap(x, self._all_to_all, caller)
+
+    def _all_to_all(self, x: Array) -> Plan:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint("all_to_all", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)

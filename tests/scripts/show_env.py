@@ -15,6 +15,8 @@ NAMES = [
     "DSML_REGISTRY",
     "DSML_WORLD_SIZE",
     "DSML_RANK",
+    "DSML_LOCAL_RANK",
+    "DSML_DEVICE",
 ]
 
 
@@ -23,6 +25,7 @@ async def main() -> None:
         values = {name: os.environ.get(name) for name in NAMES}
         values["comm_rank"] = comm.rank
         values["comm_world_size"] = comm.world_size
+        values["comm_device"] = comm.device
         print(json.dumps(values), flush=True)
 
 
