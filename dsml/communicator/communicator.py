@@ -170,7 +170,9 @@ class Communicator:
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
         return self._collective(
-            lambda caller: self._planner.reduce(x, root, op, self._mesh.rank, self._mesh.size, caller),
+            lambda caller: self._planner.reduce(
+                x, root, op, self._mesh.rank, self._mesh.size, caller
+            ),
             lambda: loose_fingerprint("reduce", x, op, root),
             timeout,
             x,
@@ -181,7 +183,9 @@ class Communicator:
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
         return self._collective(
-            lambda caller: self._planner.broadcast(x, root, self._mesh.rank, self._mesh.size, caller),
+            lambda caller: self._planner.broadcast(
+                x, root, self._mesh.rank, self._mesh.size, caller
+            ),
             lambda: loose_fingerprint("broadcast", x, None, root),
             timeout,
             x,
