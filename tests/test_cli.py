@@ -245,3 +245,12 @@ def test_the_engine_example_runs_the_lecture_program_on_four_ranks():
         a = 2 * (rank + 1)
         line = f"[rank {rank}] rank {rank}: A={a} B=allreduce(A)=20 C=A+1={a + 1} D=A*B={a * 20}"
         assert line in result.stdout
+
+
+def test_output_without_newlines_and_progress_bars_reach_the_launcher_intact():
+    result = dsml_cmd("run", "-n", "1", str(SCRIPTS / "long_line.py"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(line.count("x") for line in lines) == 200 * 1024
+    assert "[rank 0] progress 999" in lines  # what a terminal would have shown
+    assert lines[-1] == "[rank 0] done"

@@ -20,7 +20,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -184,8 +184,7 @@ class Launch:
         return causes[0] if causes else None
 
     async def _pump(self, rank: int, name: str, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
-            text = line.decode(errors="replace").rstrip("\n")
+        async for text in _lines(stream):
             if name == "stderr":
                 self._tails[rank].append(text)
             if self._on_line is not None:
@@ -238,3 +237,28 @@ class Launch:
             return 130
         codes = [p.returncode or 0 for p in self._procs]
         return next((c if c > 0 else 128 - c for c in codes if c), 0)
+
+
+_MAX_LINE = 64 * 1024  # a longer stretch without a newline is passed on in pieces
+
+
+async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
+    """The lines a rank writes, without their newline. A carriage return (a progress bar
+    redrawing itself) keeps what a terminal would show: the text after the last one.
+    Output without newlines is passed on every 64 KiB instead of failing."""
+    pending = b""
+    while chunk := await stream.read(_MAX_LINE):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if len(pending) > _MAX_LINE:
+            lines.append(pending)
+            pending = b""
+        for line in lines:
+            yield _shown(line)
+    if pending:
+        yield _shown(pending)
+
+
+def _shown(line: bytes) -> str:
+    text = line.decode(errors="replace").rstrip("\r")
+    return text.rsplit("\r", 1)[-1]
