@@ -77,6 +77,10 @@ class RegistryClient:
             fields = Fields(env.body, "Evicted")
             self.listener.on_evicted(fields.get_int("epoch"), fields.get_str("reason", 1024))
         elif env.kind is Kind.REREGISTER:
+            interval = Fields(env.body, "Reregister").get_float("heartbeat_interval", 1e-3, 3600)
+            self.heartbeat_interval = interval
+            if self._beacon is not None:
+                self._beacon.interval = interval  # this registry's settings from now on
             if self.view is not None:
                 self._send_nowait(Kind.REJOIN, {"view": self.view.to_wire()})
             self.listener.on_reregister()

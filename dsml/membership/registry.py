@@ -388,7 +388,8 @@ class Registry:
                 {"epoch": evicted_at, "reason": "it was declared dead (silent for too long)"},
             )
         elif epoch > 0 and member_id not in self._pending and member_id not in self._joining:
-            self._reply(member_id.encode(), Kind.REREGISTER, {})  # from before a restart
+            interval = {"heartbeat_interval": self.config.heartbeat_interval}
+            self._reply(member_id.encode(), Kind.REREGISTER, interval)  # from before a restart
 
     async def _watchdog(self) -> None:
         """Declare dead the members silent for longer than the heartbeat timeout."""

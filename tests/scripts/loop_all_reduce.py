@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -103,6 +104,12 @@ def install_hook(point: StopPoint) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
+    if args.log:
+        logging.basicConfig(
+            level=args.log.upper(),
+            format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
+            datefmt="%H:%M:%S",
+        )
     point = StopPoint(args.stop_at)
     if point.step is not None:
         install_hook(point)
@@ -206,6 +213,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0, help="collective timeout")
     p.add_argument("--view-timeout", type=float, default=30.0)
     p.add_argument("--stop-at", default=None, help="ITER:STEP or ITER:between")
+    p.add_argument("--log", default=None, help="log dsml at this level to stderr (DEBUG, INFO)")
     return p.parse_args(argv)
 
 
