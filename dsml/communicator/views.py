@@ -42,6 +42,8 @@ log = logging.getLogger("dsml.communicator")
 
 ViewListener = Callable[[View, View], Any]
 
+_LOCAL_VERDICT_S = 1.0  # a dropped peer the registry has not ruled on: lost after this
+
 
 @dataclass(slots=True)
 class _Broken:
@@ -134,12 +136,26 @@ class ViewKeeper:
             return
         log.warning("lost the connection to rank %d (%s)", rank, member_id)
         self.registry.suspect(member_id, view.epoch)
+        # The registry answers within milliseconds when it runs; without it, give up the
+        # calls with that peer after a while anyway (its goodbye may also still come).
+        loop = asyncio.get_running_loop()
+        loop.call_later(_LOCAL_VERDICT_S, self._lost_locally, member_id, view.epoch)
+
+    def _lost_locally(self, member_id: str, epoch: int) -> None:
+        view = self.mesh.view
+        rank = view.rank_of(member_id) if view is not None else None
+        if view is None or rank is None or view.epoch != epoch or self._evicted is not None:
+            return  # a new view came, or this rank left
+        failed = self._failed_view
+        if rank in self.mesh.closed_after or (failed is not None and failed.epoch > epoch):
+            return  # it said goodbye after all, or the registry's verdict is in
+        log.warning("no word from the registry: giving up the calls with rank %d", rank)
         if self._broken is None or self._broken.epoch != view.epoch:
             self._broken = _Broken(view.epoch, owed=True)
         self._broken.only_left = False
         self._broken.lost[rank] = "its connection dropped (the process died or closed)"
-        failed = self.mesh.fail_all(self._lost_error)
-        self._broken.owed = self._broken.owed and not failed
+        gave_up = self.mesh.fail_all(self._lost_error)
+        self._broken.owed = self._broken.owed and not gave_up
         self._wake()
 
     def _break(self, view: View, change: Change) -> None:
