@@ -18,6 +18,12 @@ stopped (every survivor must end cleanly) and the next one starts. The faults:
               must fail with EvictedError and exit.
 - registry:   SIGKILL of the registry, restarted on the same address after a random
               outage (up to 1.5 timeouts). Expected: no loss, calls go on meanwhile.
+- kill2:      SIGKILL of two workers at once (with four or more left). Measured as kill.
+- outage_kill: SIGKILL of the registry, then of a worker; the registry restarts 0.5 to
+              1.5 s later. Measured: restart to the survivors' first call without it.
+
+A kill whose survivors need more than 1 s (DESIGN.md section 4: "about a second") to run
+a call in their new view counts as `slow_reform`.
 
 A fault whose expected outcome does not come within its deadline is a hang: the
 generation's logs are printed and it is abandoned (its processes killed). Also counted:
@@ -101,6 +107,10 @@ class Soak:
             "kill_detect": [],
             "kill_seen": [],
             "kill_reform": [],
+            "kill2_detect": [],
+            "kill2_seen": [],
+            "kill2_reform": [],
+            "outage_kill_reform": [],
             "evict_detect": [],
             "evict_reform": [],
             "evicted_exit": [],
@@ -179,9 +189,9 @@ class Soak:
             w.proc.wait(timeout=10)
         self.account()
         self.workers = []
-        if self.registry is None or self.registry.poll() is not None:
-            self.registry = None
-            self.start_registry()
+        if self.registry is not None:  # a fresh registry: the old one may keep a dead group
+            self.kill_registry()
+        self.start_registry()
 
     def account(self) -> None:
         for w in self.workers:
@@ -221,31 +231,69 @@ class Soak:
 
     # -- faults ---------------------------------------------------------------------------
 
-    def fault_kill(self) -> str:
-        victim = self.rng.choice(self.live())
-        survivors = [w for w in self.live() if w is not victim]
+    def fault_kill(self, count: int = 1) -> str:
+        victims = self.rng.sample(self.live(), count)
+        survivors = [w for w in self.live() if w not in victims]
         epoch = max(e["epoch"] for w in survivors for e in w.of("ok")[-1:])
         killed = time.time()
-        victim.proc.kill()
-        victim.gone = True
+        for victim in victims:
+            victim.proc.kill()
+            victim.gone = True
+        name = "kill" if count == 1 else f"kill{count}"
 
         def reformed(w: Worker) -> bool:
-            return any(e["epoch"] > epoch for e in w.of("ok", killed))
+            return any(e["size"] == len(survivors) for e in w.of("ok", killed))
 
         self.wait(lambda: all(w.of("lost", killed) for w in survivors), "PeerLostError", 10)
-        self.wait(lambda: all(reformed(w) for w in survivors), "a call in the new view", 10)
+        self.wait(lambda: all(reformed(w) for w in survivors), "a call in the new view", 15)
         for w in survivors:
-            self.times["kill_detect"].append(w.of("lost", killed)[0]["t"] - killed)
+            self.times[f"{name}_detect"].append(w.of("lost", killed)[0]["t"] - killed)
             seen = w.of("disconnect", killed)
             if seen:
-                self.times["kill_seen"].append(seen[0]["t"] - killed)
-            first = next(e for e in w.of("ok", killed) if e["epoch"] > epoch)
-            self.times["kill_reform"].append(first["t"] - killed)
-            if first["size"] != len(survivors):
-                self.counts["wrong_size"] += 1
+                self.times[f"{name}_seen"].append(seen[0]["t"] - killed)
+            first = next(e for e in w.of("ok", killed) if e["size"] == len(survivors))
+            self.times[f"{name}_reform"].append(first["t"] - killed)
+            if first["epoch"] <= epoch:
+                self.counts["wrong_epoch"] += 1
+            if first["t"] - killed > REFORM_TARGET_S:
+                self.counts["slow_reform"] += 1
+                self.report_problem(f"{name}: re-formed after {first['t'] - killed:.2f} s")
+        for victim in victims:
+            victim.proc.wait(timeout=10)
+        self.settle(survivors, killed, once=count == 1)
+        return f"{name} {' '.join(f'w{v.index}' for v in victims)}"
+
+    def fault_kill2(self) -> str:
+        return self.fault_kill(2) if len(self.live()) >= 4 else self.fault_kill(1)
+
+    def fault_outage_kill(self) -> str:
+        """A worker dies while the registry is down; the registry comes back."""
+        victim = self.rng.choice(self.live())
+        survivors = [w for w in self.live() if w is not victim]
+        outage = self.rng.uniform(0.5, 1.5)
+        down = time.time()
+        self.kill_registry()
+        time.sleep(0.2)
+        victim.proc.kill()
+        victim.gone = True
+        time.sleep(outage)
+        self.start_registry()
+        up = time.time()
+
+        def reformed(w: Worker) -> bool:
+            return any(e["size"] == len(survivors) for e in w.of("ok", up))
+
+        within = self.args.hb_timeout + 10
+        self.wait(lambda: all(reformed(w) for w in survivors), "a view after restart", within)
+        for w in survivors:
+            first = next(e for e in w.of("ok", up) if e["size"] == len(survivors))
+            self.times["outage_kill_reform"].append(first["t"] - up)
+            if first["t"] - up > self.args.hb_timeout + 2.0:
+                self.counts["slow_reform"] += 1
+                self.report_problem(f"outage kill: re-formed {first['t'] - up:.2f} s after up")
         victim.proc.wait(timeout=10)
-        self.settle(survivors, killed)
-        return f"kill w{victim.index}"
+        self.settle(survivors, down, once=False)
+        return f"outage_kill w{victim.index} registry down {up - down:.2f}s"
 
     def fault_pause(self) -> str:
         victim = self.rng.choice(self.live())
@@ -319,11 +367,11 @@ class Soak:
             self.report_problem("a registry restart cost a member")
         return f"registry down {outage:.2f}s"
 
-    def settle(self, survivors: list[Worker], since: float) -> None:
-        """Count survivors that saw the loss more than once (exactly once is the rule)."""
+    def settle(self, survivors: list[Worker], since: float, once: bool = True) -> None:
+        """Count survivors that saw one loss more than once (exactly once is the rule)."""
         self.wait(lambda: all(len(w.of("ok", since)) >= 2 for w in survivors), "calls", 10)
         for w in survivors:
-            if len(w.of("lost", since)) > 1:
+            if once and len(w.of("lost", since)) > 1:
                 self.counts["lost_twice"] += 1
                 self.report_problem(f"worker {w.index} saw one loss twice")
 
@@ -331,8 +379,8 @@ class Soak:
 
     def run(self) -> None:
         end = time.monotonic() + self.args.minutes * 60
-        kinds = ["kill", "pause", "evict", "registry"]
-        weights = [0.45, 0.25, 0.2, 0.1]
+        kinds = ["kill", "kill2", "pause", "evict", "registry", "outage_kill"]
+        weights = [0.35, 0.1, 0.2, 0.15, 0.1, 0.1]
         self.start_registry()
         print(f"registry {self.address}", flush=True)
         while time.monotonic() < end:
@@ -344,7 +392,7 @@ class Soak:
                     kind = self.rng.choices(kinds, weights)[0]
                     started = time.monotonic()
                     what = getattr(self, f"fault_{kind}")()
-                    self.counts[kind] += 1
+                    self.counts[what.split()[0]] += 1
                     took = time.monotonic() - started
                     print(f"  {what}: handled in {took:.2f} s", flush=True)
                 self.end_generation()
@@ -380,13 +428,19 @@ PROBLEMS = (
     "not_evicted_error",
     "lost_to_registry_restart",
     "lost_twice",
-    "wrong_size",
+    "wrong_epoch",
+    "slow_reform",
 )
+REFORM_TARGET_S = 1.0  # DESIGN.md section 4: about a second after a kill -9
 
 LABELS = {
     "kill_seen": "kill -> connection drop seen by a survivor",
     "kill_detect": "kill -> PeerLostError on a survivor",
     "kill_reform": "kill -> first exact call in the new view",
+    "kill2_seen": "kill of 2 at once -> connection drop seen",
+    "kill2_detect": "kill of 2 at once -> PeerLostError",
+    "kill2_reform": "kill of 2 at once -> first exact call without them",
+    "outage_kill_reform": "kill while registry down: restart -> first call",
     "evict_detect": "SIGSTOP -> PeerLostError (eviction)",
     "evict_reform": "SIGSTOP -> first exact call without it",
     "evicted_exit": "SIGCONT -> evicted worker ended (EvictedError)",
@@ -430,11 +484,14 @@ def main() -> int:
         )
         print(
             "# faults: "
-            + ", ".join(f"{k} {soak.counts[k]}" for k in ("kill", "pause", "evict", "registry"))
+            + ", ".join(
+                f"{k} {soak.counts[k]}"
+                for k in ("kill", "kill2", "pause", "evict", "registry", "outage_kill")
+            )
         )
         for name, row in result["times"].items():
             print(
-                f"{LABELS[name]:<52} n={row['n']:<3} median {row['median_s']:.3f} s  "
+                f"{LABELS[name]:<54} n={row['n']:<3} median {row['median_s']:.3f} s  "
                 f"max {row['max_s']:.3f} s"
             )
         print("# unexpected: " + ", ".join(f"{k} {soak.counts[k]}" for k in PROBLEMS))

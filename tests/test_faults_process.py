@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOOP = ROOT / "tests" / "scripts" / "loop_all_reduce.py"
 DSML = [sys.executable, "-m", "dsml"]
 WORLD = 4
+HEARTBEATS = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2")  # quicker than default
 
 pytestmark = pytest.mark.multiprocess
 
@@ -327,9 +328,33 @@ def test_kill_9_of_a_worker_fails_every_survivor_quickly_then_the_survivors_go_o
             )
 
 
-# -- 2. SIGSTOP of a worker: shorter and longer than the heartbeat timeout ------------------
+@pytest.mark.timeout(60)
+def test_two_workers_killed_at_once_are_both_dropped_quickly(tmp_path: Path):
+    """Two of four workers killed together: the survivors go on as a group of 2 about as
+    fast as after one kill, not after the heartbeat timeout (2 s here)."""
+    with cluster(tmp_path) as run:
+        run.start_registry(*HEARTBEATS)
+        run.start_workers("--pause", "0.1")
+        run.wait_oks(3)
+        killed_at = time.time()
+        for victim in run.workers[:2]:
+            victim.proc.kill()
+        survivors = run.workers[2:]
 
-HEARTBEATS = ("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2")
+        def regrouped(w: Worker) -> bool:
+            return any(e["size"] == WORLD - 2 for e in w.of("ok", killed_at))
+
+        run.wait(lambda: all(regrouped(w) for w in survivors), "the survivors regrouped")
+        for w in survivors:
+            first = next(e for e in w.of("ok", killed_at) if e["size"] == WORLD - 2)
+            assert first["exact"]
+            print(f"\nworker {w.index} regrouped {first['t'] - killed_at:.3f} s after the kills")
+            assert first["t"] - killed_at < 1.0
+        run.finish(survivors)
+        run.check_exact()
+
+
+# -- 2. SIGSTOP of a worker: shorter and longer than the heartbeat timeout ------------------
 
 
 @pytest.mark.timeout(60)

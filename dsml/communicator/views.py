@@ -174,7 +174,7 @@ class ViewKeeper:
         gone -= {m for m, _ in change.left}
         for member_id in gone:
             rank = mesh_view.rank_of(member_id)
-            if rank is not None:
+            if rank is not None and rank not in self.mesh.closed_after:  # else it left
                 broken.lost.setdefault(rank, "it was declared dead")
         if broken.lost or not change.left:
             broken.limit = 0  # a loss (or a renewed epoch): nothing more of it runs

@@ -46,6 +46,7 @@ _MAX_WORLD = 1 << 16
 _MAX_EVICTED = 4096
 _SUSPECT_CHECKS_S = (0.02, 0.05, 0.1, 0.2, 0.4)  # delays of the re-checks of a suspect
 _HB = b".hb"
+_LAST_WORDS_S = 0.05  # after a connection is gone, time to read what it sent before
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class _Liveness:
     last_seen: float
     epoch: int = 0
     beats: int = 0
+    view_sent: float = 0.0  # when the current view was last sent again to it
     started: list[Any] | None = None  # [epoch, cid, description] of the last started call
     finished: list[Any] | None = None  # ... and of the last finished one
 
@@ -86,6 +88,7 @@ class Registry:
         self._pending: dict[str, Member] = {}  # asking to join the running group
         self._proposal: _Proposal | None = None
         self._view: View | None = None
+        self._change = Change()
         self._epoch = 0
         self._live: dict[str, _Liveness] = {}
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
@@ -306,9 +309,10 @@ class Registry:
             heartbeat_interval=self.config.heartbeat_interval,
         )
         self._view = View(self._epoch, members)
+        self._change = change
         self.views_published += 1
         for member in members:
-            self._live.setdefault(member.id, _Liveness(last_seen=now))
+            self._live.setdefault(member.id, _Liveness(last_seen=now, view_sent=now))
         for gone in [m for m in self._live if self._view.rank_of(m) is None]:
             del self._live[gone]
         log.info(
@@ -377,9 +381,18 @@ class Registry:
         finished = _progress(fields, "finished")
         live = self._live.get(member_id)
         if live is not None:
-            live.last_seen = time.monotonic()
+            now = time.monotonic()
+            live.last_seen = now
             live.epoch, live.started, live.finished = epoch, started, finished
             live.beats += 1
+            if (
+                self._view is not None
+                and epoch < self._view.epoch
+                and now - live.view_sent > 2 * self.config.heartbeat_interval
+            ):
+                # It may never have got the view (its channel was reconnecting): again.
+                live.view_sent = now
+                self._send_view(member_id, self._view, self._change)
         elif member_id in self._evicted:
             evicted_at = self._evicted[member_id]
             self._reply(
@@ -419,12 +432,12 @@ class Registry:
         epoch = fields.get_int("epoch")
         reporter = self._member_of(sender)
         view = self._view
-        if view is None or epoch != self._epoch or view.rank_of(reporter) is None:
-            return  # about an epoch already over
-        if view.rank_of(suspect) is None or suspect in self._suspects:
+        if view is None or epoch > self._epoch or view.rank_of(reporter) is None:
             return
+        if view.rank_of(suspect) is None or suspect in self._suspects:
+            return  # already gone (a report about an older epoch may still be news)
         self._suspects.add(suspect)
-        self._spawn(self._check_suspect(suspect, epoch, reporter))
+        self._spawn(self._check_suspect(suspect, self._epoch, reporter))
 
     async def _check_suspect(self, suspect: str, epoch: int, reporter: str) -> None:
         """Declare `suspect` dead if its own connection to the registry is gone too.
@@ -438,18 +451,23 @@ class Registry:
         try:
             for delay in (0.0, *_SUSPECT_CHECKS_S):
                 await asyncio.sleep(delay)
-                if self._view is None or self._epoch != epoch:
-                    return
+                if self._view is None or self._view.rank_of(suspect) is None:
+                    return  # removed meanwhile (left, or found dead another way)
                 if not self._endpoint.reachable(suspect.encode(), Envelope(Kind.PING)):
+                    # Its last messages (a LeaveRequest) may still wait in our queue: the
+                    # connection can be gone before the reader got to them.
+                    await asyncio.sleep(_LAST_WORDS_S)
+                    if self._view is None or self._view.rank_of(suspect) is None:
+                        return  # it left properly
                     self._remove(
                         [suspect],
                         [],
                         f"member {suspect} disconnected (reported by {reporter})",
                     )
                     return
-            log.warning("member %s is still connected; renewing epoch %d", suspect, epoch)
-            assert self._view is not None
-            self._publish(self._view.members, Change(previous=self._epoch))
+            if self._view is not None and self._epoch == epoch:  # else a new view went out
+                log.warning("member %s is still connected; renewing epoch %d", suspect, epoch)
+                self._publish(self._view.members, Change(previous=self._epoch))
         finally:
             self._suspects.discard(suspect)
 
@@ -465,6 +483,9 @@ class Registry:
         if self._view is None or view.epoch > self._epoch:
             log.warning("adopting epoch %d of %d members after a restart", view.epoch, view.size)
             self._view, self._epoch = view, view.epoch
+            self._change = Change(
+                previous=view.epoch, heartbeat_interval=self.config.heartbeat_interval
+            )
             self._live = {m.id: _Liveness(last_seen=now) for m in view.members}
             self._started_at = now  # a full timeout of grace for everyone to re-register
         elif view.epoch < self._epoch or self._view.rank_of(member_id) is None:
