@@ -36,7 +36,7 @@ import msgpack
 import numpy as np
 
 from .communicator import Communicator, init
-from .config import CommConfig
+from .config import CommConfig, env_int, environ
 from .errors import ConfigError, DsmlError, EvictedError, MembershipChangedError
 
 __all__ = ["BelowMinSizeError", "State", "run"]
@@ -223,8 +223,6 @@ async def run(
 
 
 def _env_world_size(default: int) -> int:
-    from .config import env_int, environ
-
     value = env_int(environ(), "DSML_WORLD_SIZE")
     return value if value is not None else default
 

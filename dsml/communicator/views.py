@@ -25,7 +25,6 @@ here at once and is reported to the registry, which checks it and publishes the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,7 +72,6 @@ class ViewKeeper:
         self._broken: _Broken | None = None
         self._evicted: str | None = None
         self._changed = asyncio.Event()
-        self._waiters: list[asyncio.Future[View]] = []
         mesh.on_peer_lost = self.peer_disconnected
 
     # -- the registry's news ------------------------------------------------------------------
@@ -309,10 +307,6 @@ class ViewKeeper:
         beacon = self.registry.beacon
         if beacon is not None:
             beacon.beat_now()
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(view)
-        self._waiters.clear()
         for listener in list(self.listeners):
             try:
                 listener(old, view)
@@ -346,17 +340,6 @@ class ViewKeeper:
         if latest is not None and self.mesh.view is not None and latest.epoch > self.mesh.epoch:
             return latest
         return None
-
-    async def wait_installed(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
-        """Wait until this rank switches to a new view; returns it."""
-        waiter: asyncio.Future[View] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            async with asyncio.timeout(timeout):
-                return await waiter
-        finally:
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
 
     async def wait_known(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
         """Wait until a view newer than the installed one is known; returns it."""

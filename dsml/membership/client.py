@@ -46,7 +46,6 @@ class RegistryClient:
         self.member = member
         self.config = config
         self.view: View | None = None
-        self.change = Change()
         self.listener: Listener | None = None
         self.heartbeat_interval = 1.0
         self._replies: Mailbox[Envelope] = Mailbox()
@@ -99,7 +98,7 @@ class RegistryClient:
         if self.listener is None and self.view is not None:
             self._early.append((view, change))  # for the listener, once there is one
             return
-        self.view, self.change = view, change
+        self.view = view
         self._view_changed.set()
         if self.listener is not None:
             self.listener.on_view(view, change)
@@ -110,7 +109,7 @@ class RegistryClient:
         self.listener = listener
         early, self._early = self._early, []
         for view, change in early:
-            self.view, self.change = view, change
+            self.view = view
             listener.on_view(view, change)
 
     def _send_nowait(self, kind: Kind, body: dict[str, Any]) -> None:

@@ -108,10 +108,6 @@ class Change:
     joined: tuple[str, ...] = ()
     heartbeat_interval: float = 1.0
 
-    @property
-    def agreed(self) -> bool:
-        return self.boundary is not None
-
     def to_wire(self) -> dict[str, Any]:
         return {
             "previous": self.previous,
