@@ -1,4 +1,4 @@
-"""The `dsml` command (cli layer): registry, run, bench, status.
+"""The `dsml` command (cli layer): registry, run, bench, status, keys.
 
 The CLI is an edge: it reads flags and `DSML_*` variables once and passes frozen
 configuration inward.
@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import DsmlError
-from . import bench, registry_cmd, run, status
+from . import bench, keys, registry_cmd, run, status
 
 __all__ = ["main"]
 
-_COMMANDS = (registry_cmd, run, bench, status)
+_COMMANDS = (registry_cmd, run, bench, status, keys)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,11 +1,13 @@
 """Transport layer: the only code that imports zmq.
 
 One endpoint (bound ROUTER) per worker with a single reader task, DEALER channels to peers,
-per-key mailboxes, and receipts for buffers sent without copying.
+per-key mailboxes, receipts for buffers sent without copying, and CURVE (encryption and a
+client allowlist) for any of these sockets.
 """
 
 from .beacon import Beacon
 from .context import check_address, live_sockets
+from .curve import Curve, generate_keys, is_loopback
 from .mailbox import Mailbox
 from .malloc import tune_malloc
 from .sockets import Channel, Endpoint, Handler
@@ -15,11 +17,14 @@ __all__ = [
     "DONE",
     "Beacon",
     "Channel",
+    "Curve",
     "Endpoint",
     "Handler",
     "Mailbox",
     "Sent",
     "check_address",
+    "generate_keys",
+    "is_loopback",
     "live_sockets",
     "tune_malloc",
     "wait_sent",

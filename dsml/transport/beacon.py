@@ -4,7 +4,8 @@ A worker's event loop can be busy for seconds (a long numpy step run inline from
 notebook cell); that worker is slow, not dead, and must not be evicted. So heartbeats come
 from a small thread with its own DEALER socket: they stop only when the process stops
 (killed, or paused with SIGSTOP), which is exactly what the registry needs to know. The
-thread only sends; answers arrive on the member's ordinary registry channel.
+thread only sends; answers arrive on the member's ordinary registry channel. With a
+`Curve`, the socket is a CURVE client like the member's other channels.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import zmq
 
 from ..wire import Envelope, encode
 from .context import check_address, new_socket
+from .curve import Curve, make_curve_client
 
 __all__ = ["Beacon"]
 
@@ -27,7 +29,13 @@ class Beacon:
     """Sends `make()` to `address` every `interval` seconds until `stop()`."""
 
     def __init__(
-        self, address: str, identity: bytes, interval: float, make: Callable[[], Envelope]
+        self,
+        address: str,
+        identity: bytes,
+        interval: float,
+        make: Callable[[], Envelope],
+        *,
+        curve: Curve | None = None,
     ) -> None:
         check_address(address, "registry address")
         self.address = address
@@ -41,6 +49,8 @@ class Beacon:
         self._sock: zmq.Socket[bytes] = new_socket(
             zmq.DEALER, IDENTITY=identity, SNDHWM=16, LINGER=0
         )
+        if curve is not None:
+            make_curve_client(self._sock, curve)
         self._sock.connect(address)
         self._thread = threading.Thread(target=self._run, name="dsml-heartbeat", daemon=True)
         self._thread.start()

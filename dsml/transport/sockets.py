@@ -14,6 +14,9 @@ socket's file descriptor becomes readable and drains every queued message. ZeroM
 descriptor signals edges, not levels, and any send or recv on the socket may consume the
 edge, so the reader drains until `EVENTS` says empty and is nudged after every send on its
 socket.
+
+With a `Curve`, an endpoint is a CURVE server that admits only allowlisted keys and a
+channel a CURVE client; without one, sockets use ZeroMQ's NULL mechanism as before.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import zmq
 from ..errors import ConfigError, DsmlError, ProtocolError
 from ..wire import MAX_ENVELOPE_BYTES, Envelope, decode, encode
 from .context import check_address, new_socket
+from .curve import Curve, make_curve_client, make_curve_server
 from .tracker import DONE, Sent
 from .watch import DisconnectWatch
 
@@ -171,23 +175,28 @@ def _try_send(sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
     return True
 
 
-async def _send(sock: zmq.Socket[bytes], frames: list[Any]) -> None:
+async def _send(sock: zmq.Socket[bytes], frames: list[Any], check: Callable[[], None]) -> None:
     """Send without blocking the loop; when the queue is full, retry until it is not.
 
     A full queue (100,000 messages) means the peer is gone or far behind, so a 1 ms poll
     costs nothing that matters; watching the descriptor instead would need a second
-    reader on a socket that may already have one.
+    reader on a socket that may already have one. `check()` runs before each retry and
+    raises to give up.
     """
-    while not _try_send(sock, frames):  # noqa: ASYNC110
+    while not _try_send(sock, frames):
+        check()
         await asyncio.sleep(_FULL_POLL_S)
 
 
 class Endpoint:
     """A bound ROUTER socket and its reader; `address` is the resolved bound address."""
 
-    def __init__(self, sock: zmq.Socket[bytes], address: str, reader: _Reader) -> None:
+    def __init__(
+        self, sock: zmq.Socket[bytes], address: str, reader: _Reader, *, curve: bool = False
+    ) -> None:
         self._sock = sock
         self._reader = reader
+        self._curve = curve
         self.address = address
 
     @classmethod
@@ -199,8 +208,13 @@ class Endpoint:
         max_frame_bytes: int,
         max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
         name: str = "endpoint",
+        curve: Curve | None = None,
     ) -> Endpoint:
-        """Bind address (port 0: the OS chooses) and start the reader task."""
+        """Bind address (port 0: the OS chooses) and start the reader task.
+
+        With `curve`, only clients whose public key is in `curve.authorized` (read now) get
+        through; others' messages never reach the handler.
+        """
         check_address(address, "bind address")
         sock = new_socket(
             zmq.ROUTER,
@@ -210,15 +224,20 @@ class Endpoint:
             ROUTER_MANDATORY=1,
         )
         try:
+            if curve is not None:
+                make_curve_server(sock, curve)
             sock.bind(address[:-2] + ":*" if address.endswith(":0") else address)
         except zmq.ZMQError as exc:
             sock.close(0)
             raise ConfigError(f"cannot bind {address}: {exc}") from None
+        except BaseException:
+            sock.close(0)
+            raise
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         reader = _Reader(
             sock, handler, routed=True, max_envelope_bytes=max_envelope_bytes, name=name
         )
-        return cls(sock, bound, reader)
+        return cls(sock, bound, reader, curve=curve is not None)
 
     @property
     def dropped(self) -> int:
@@ -263,7 +282,7 @@ class Endpoint:
     def __repr__(self) -> str:
         return (
             f"<Endpoint {self.address} received={self.received} dropped={self.dropped}"
-            f"{' closed' if self._sock.closed else ''}>"
+            f"{' CURVE' if self._curve else ''}{' closed' if self._sock.closed else ''}>"
         )
 
 
@@ -295,10 +314,16 @@ class Channel:
         max_frame_bytes: int = 64 << 20,
         linger_s: float = 1.0,
         on_disconnect: Callable[[], None] | None = None,
+        curve: Curve | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ) -> Channel:
         """Connect to address; with a handler, also read what the endpoint sends back.
 
-        `on_disconnect()` is called (on the loop) whenever the connection drops.
+        `on_disconnect()` is called (on the loop) whenever the connection drops. With
+        `curve` the channel is a CURVE client, and `on_refused(reason)` is called (on the
+        loop) when the server refuses the handshake: a key not allowlisted, or CURVE on at
+        one end only. What is sent over a refused connection is never delivered; libzmq
+        gives such a connection up, so `send` then raises ConfigError instead of waiting.
         """
         check_address(address, "peer address")
         sock = new_socket(
@@ -310,9 +335,19 @@ class Channel:
             LINGER=int(linger_s * 1000),
         )
         sock.copy_threshold = copy_threshold
+        watch = None
         try:
+            if curve is not None:
+                make_curve_client(sock, curve)
+            if on_disconnect is not None or on_refused is not None or curve is not None:
+                # Watch before connecting: a refused handshake can be over within microseconds.
+                watch = DisconnectWatch(
+                    sock, on_disconnect, on_refused=on_refused, handshakes=curve is not None
+                )
             sock.connect(address)
         except zmq.ZMQError as exc:
+            if watch is not None:
+                watch.close()
             sock.close(0)
             raise ConfigError(f"cannot connect to {address}: {exc}") from None
         reader = None
@@ -320,7 +355,6 @@ class Channel:
             reader = _Reader(
                 sock, handler, routed=False, max_envelope_bytes=max_frame_bytes, name="channel"
             )
-        watch = DisconnectWatch(sock, on_disconnect) if on_disconnect is not None else None
         return cls(sock, address, copy_threshold, reader, watch)
 
     async def send(self, env: Envelope, payload: Sequence[Any] = ()) -> Sent:
@@ -332,11 +366,15 @@ class Channel:
         if receipt is None:  # the queue is full (a slow or absent peer): wait for room
             parts, tracker = _zero_copy_frames(payload, self._threshold)
             try:
-                await _send(self._sock, _frames(env, parts))
+                await _send(self._sock, _frames(env, parts), self._check_refused)
             except zmq.ZMQError as exc:
                 raise DsmlError(f"send to {self.address} failed: {exc}") from None
             receipt = DONE if tracker is None else Sent(tracker)
         return receipt
+
+    def _check_refused(self) -> None:
+        if self._watch is not None and self._watch.refused is not None:
+            raise ConfigError(f"cannot send to {self.address}: {self._watch.refused}")
 
     def send_nowait(self, env: Envelope, payload: Sequence[Any] = ()) -> Sent | None:
         """`send` when it can be done at once (the usual case); None if the queue is full."""

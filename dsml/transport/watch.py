@@ -1,10 +1,12 @@
-"""Connection watching: a channel's socket monitor as a disconnect callback (transport).
+"""Connection watching: a channel's socket monitor as callbacks (transport layer).
 
 ZeroMQ reconnects silently, so a peer that died is invisible to a sender until its queue
 fills. The monitor of a DEALER socket reports `DISCONNECTED` the moment the TCP connection
 drops (a killed process's kernel closes it at once), which is what turns a `kill -9` into a
-report within milliseconds instead of a heartbeat timeout. The monitor socket is read by
-an event-loop reader callback, like every other dsml socket.
+report within milliseconds instead of a heartbeat timeout. With CURVE, the monitor also
+reports handshakes the server refused, which would otherwise look like a peer that never
+answers. The monitor socket is read by an event-loop reader callback, like every other dsml
+socket.
 """
 
 from __future__ import annotations
@@ -23,17 +25,49 @@ log = logging.getLogger("dsml.transport")
 
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 _WATCHED = int(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+#: What each handshake failure means to the user (the monitor's words are libzmq's).
+_REFUSALS = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the server refused this key (not allowlisted)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "CURVE handshake failed (is CURVE on at both ends?)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "CURVE handshake failed (is CURVE on at both ends?)",
+}
+_HANDSHAKE = int(
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class DisconnectWatch:
-    """Calls `on_disconnect()` each time the watched socket loses its connection."""
+    """Calls `on_disconnect()` each time the watched socket loses its connection, and
+    `on_refused(reason)` when a handshake fails.
 
-    def __init__(self, sock: zmq.Socket[bytes], on_disconnect: Callable[[], None]) -> None:
+    After a refused key or a mechanism mismatch libzmq gives the connection up for good
+    (`refused` keeps the reason); a server that cannot answer the handshake (no ZAP
+    handler) fails every reconnection attempt instead, about ten times a second.
+    `on_refused` hears of a reason once, and again only after a handshake succeeded or the
+    reason changed; `refusals` counts them all.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        on_disconnect: Callable[[], None] | None = None,
+        *,
+        on_refused: Callable[[str], None] | None = None,
+        handshakes: bool = False,
+    ) -> None:
+        """Watch `sock`; handshakes too when `handshakes` or `on_refused` is given."""
         self.disconnects = 0
+        self.refusals = 0
         self.connected = False
         self._sock = sock
         self._on_disconnect = on_disconnect
-        self._monitor: zmq.Socket[bytes] = sock.get_monitor_socket(_WATCHED)
+        self._on_refused = on_refused
+        self.refused: str | None = None  # why the last handshake failed; None once one succeeds
+        watched = _WATCHED | (_HANDSHAKE if handshakes or on_refused is not None else 0)
+        self._monitor: zmq.Socket[bytes] = sock.get_monitor_socket(watched)
         self._loop = asyncio.get_running_loop()
         self._fd: int = self._monitor.get(_FD)  # type: ignore[assignment]
         self._loop.add_reader(self._fd, self._drain)
@@ -43,15 +77,30 @@ class DisconnectWatch:
         monitor = self._monitor
         while not monitor.closed and monitor.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
-            if event["event"] == zmq.EVENT_CONNECTED:
+            kind = int(event["event"])
+            if kind == zmq.EVENT_CONNECTED:
                 self.connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif kind == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.disconnects += 1
-                try:
-                    self._on_disconnect()
-                except Exception:  # a callback bug must not stop the watch
-                    log.exception("disconnect callback failed")
+                self._call(self._on_disconnect)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None
+            elif kind in _REFUSALS:
+                self.refusals += 1
+                reason = _REFUSALS[kind]
+                if reason != self.refused:  # once, until a handshake succeeds or it changes
+                    self.refused = reason
+                    self._call(self._on_refused, reason)
+
+    @staticmethod
+    def _call(callback: Callable[..., None] | None, *args: str) -> None:
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:  # a callback bug must not stop the watch
+            log.exception("connection callback failed")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -59,3 +108,7 @@ class DisconnectWatch:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         self._monitor.close(0)
+
+    def __repr__(self) -> str:
+        state = "connected" if self.connected else "not connected"
+        return f"<DisconnectWatch {state} disconnects={self.disconnects} refusals={self.refusals}>"
