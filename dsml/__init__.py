@@ -14,6 +14,7 @@ from ._version import __version__
 from .collectives.ops import ReduceOp
 from .communicator import CollectiveHandle, Communicator, init
 from .config import CommConfig, RegistryConfig
+from .daemon import Client, LocalCluster, WorkerInfo
 from .engine import Engine, OpHandle, SerialEngine, Tagged, Var
 from .errors import (
     CollectiveAbortedError,
@@ -24,15 +25,19 @@ from .errors import (
     DependencyFailedError,
     DsmlError,
     EvictedError,
+    JobTimeoutError,
     JoinTimeoutError,
     MembershipChangedError,
     PeerLostError,
     ProtocolError,
     RegistryUnavailableError,
+    RemoteError,
+    WorkerLostError,
 )
 from .membership import Registry, open_registry
 
 __all__ = [
+    "Client",
     "CollectiveAbortedError",
     "CollectiveError",
     "CollectiveHandle",
@@ -45,7 +50,9 @@ __all__ = [
     "DsmlError",
     "Engine",
     "EvictedError",
+    "JobTimeoutError",
     "JoinTimeoutError",
+    "LocalCluster",
     "MembershipChangedError",
     "OpHandle",
     "PeerLostError",
@@ -54,9 +61,12 @@ __all__ = [
     "Registry",
     "RegistryConfig",
     "RegistryUnavailableError",
+    "RemoteError",
     "SerialEngine",
     "Tagged",
     "Var",
+    "WorkerInfo",
+    "WorkerLostError",
     "__version__",
     "elastic",
     "init",

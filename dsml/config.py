@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
 
@@ -51,6 +52,11 @@ class CommConfig:
         gpu_reduce: where collectives on cupy arrays compute: "host" stages the array
             through pinned memory and runs numpy's algorithms there; "device" runs them on
             the cupy array with cupy kernels. Unmeasured so far (docs/operations.md).
+        engine_trace: `comm.engine` records a timeline of its ops (`engine.trace()`,
+            `engine.write_trace(path)`; see docs/engine.md).
+        curve: CURVE keys (`dsml.transport.Curve`) for every socket of the communicator:
+            its peer links and its registry connection are encrypted and authenticated.
+            Worker daemons started with `--curve-keys` set it for their jobs.
     """
 
     timeout: float = 120.0
@@ -64,6 +70,8 @@ class CommConfig:
     bind: str = "tcp://127.0.0.1:0"
     tune_malloc: bool = True
     gpu_reduce: str = "host"
+    engine_trace: bool = False
+    curve: Any = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -110,6 +118,8 @@ class RegistryConfig:
             is found much sooner, when its peers' connections drop.
         join_window: after a worker asks to join a running group, how long to wait for
             others before admitting them together (one epoch for all of them).
+        curve: CURVE keys (`dsml.transport.Curve`, role "server"): only allowlisted keys
+            are heard, and everything is encrypted.
     """
 
     address: str = "tcp://127.0.0.1:0"
@@ -117,6 +127,7 @@ class RegistryConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     join_window: float = 0.2
+    curve: Any = None
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "heartbeat_timeout", "join_window"):

@@ -18,11 +18,14 @@ __all__ = [
     "DependencyFailedError",
     "DsmlError",
     "EvictedError",
+    "JobTimeoutError",
     "JoinTimeoutError",
     "MembershipChangedError",
     "PeerLostError",
     "ProtocolError",
     "RegistryUnavailableError",
+    "RemoteError",
+    "WorkerLostError",
 ]
 
 
@@ -115,3 +118,34 @@ class DependencyFailedError(DsmlError):
 
 class JoinTimeoutError(DsmlError, TimeoutError):
     """The group did not form in time: fewer members than `world_size` joined."""
+
+
+class RemoteError(DsmlError):
+    """A job's function failed on a worker; `rank` says where, `traceback` is the remote one.
+
+    `error_type` is the remote exception's qualified class name (e.g. "ValueError"); the
+    exception itself stays on the worker (nothing is unpickled from workers).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        traceback: str = "",
+        error_type: str = "",
+        worker: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+        self.error_type = error_type
+        self.worker = worker
+
+
+class WorkerLostError(RemoteError):
+    """A worker daemon died or disconnected while it ran a job (no remote traceback)."""
+
+
+class JobTimeoutError(DsmlError, TimeoutError):
+    """A job did not finish within `client.run(..., timeout=)`; it was cancelled."""

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import DsmlError
-from . import bench, keys, registry_cmd, run, status
+from . import bench, keys, registry_cmd, run, status, worker
 
 __all__ = ["main"]
 
-_COMMANDS = (registry_cmd, run, bench, status, keys)
+_COMMANDS = (registry_cmd, worker, run, bench, status, keys)
 
 
 def build_parser() -> argparse.ArgumentParser:

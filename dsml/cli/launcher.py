@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
+
+from .._process import describe_exit, die_with_parent
 
 __all__ = ["Failure", "Launch", "rank_environment"]
 
@@ -58,21 +59,6 @@ def rank_environment(
     if not env.get("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = "1"  # ranks share the cores; a user's own value stays
     return env
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 #: Errors a rank raises because another rank failed: not the root cause of a crash.
@@ -159,7 +145,7 @@ class Launch:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent,
         )
 
     async def _supervise(self, rank: int, proc: asyncio.subprocess.Process) -> None:

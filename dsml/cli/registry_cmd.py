@@ -11,6 +11,7 @@ from typing import Any
 from ..config import RegistryConfig
 from ..errors import ConfigError
 from ..membership import open_registry
+from ..transport import Curve
 
 __all__ = ["add_parser"]
 
@@ -42,6 +43,12 @@ def add_parser(sub: Any) -> None:
         help="a worker silent this long is declared dead; must exceed twice the interval "
         "(default: %(default)s). A killed worker is found sooner, by its peers.",
     )
+    parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        help="CURVE keys made by `dsml keys generate DIR`: encrypt everything and hear only "
+        "keys allowlisted in DIR/authorized",
+    )
     parser.set_defaults(handler=_main)
 
 
@@ -51,6 +58,7 @@ def _main(args: argparse.Namespace) -> int:
             address=args.address,
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
+            curve=Curve.load(args.curve_keys, role="server") if args.curve_keys else None,
         )
     except ConfigError as exc:
         print(f"dsml registry: {exc}", file=sys.stderr)
@@ -63,7 +71,8 @@ async def _serve(config: RegistryConfig) -> int:
         print(f"dsml registry serving on {registry.address}", flush=True)
         print(
             f"heartbeats every {config.heartbeat_interval:g} s; a member silent for "
-            f"{config.heartbeat_timeout:g} s is declared dead",
+            f"{config.heartbeat_timeout:g} s is declared dead"
+            f"{'; CURVE on' if config.curve is not None else ''}",
             flush=True,
         )
         loop = asyncio.get_running_loop()

@@ -7,8 +7,9 @@ import asyncio
 import json
 from typing import Any
 
-from ..errors import RegistryUnavailableError
+from ..errors import ConfigError, RegistryUnavailableError
 from ..membership import query_status
+from ..transport import Curve
 
 __all__ = ["add_parser"]
 
@@ -16,18 +17,22 @@ __all__ = ["add_parser"]
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser(
         "status",
-        help="show the members of a registry's group",
+        help="show a registry's group and its worker daemons",
         description="Show the group a registry knows; exit code 1 if it does not answer.",
     )
     parser.add_argument("--registry", required=True, help="registry address")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--wait", type=float, default=3.0, help="seconds to wait for an answer")
+    parser.add_argument(
+        "--curve-keys", metavar="DIR", help="CURVE keys, for a registry started with them"
+    )
     parser.set_defaults(handler=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        status = asyncio.run(query_status(args.registry, registry_timeout=args.wait))
+        curve = _curve(args.curve_keys) if args.curve_keys else None
+        status = asyncio.run(query_status(args.registry, registry_timeout=args.wait, curve=curve))
     except RegistryUnavailableError as exc:
         print(f"dsml status: {exc}")
         return 1
@@ -36,6 +41,14 @@ def _main(args: argparse.Namespace) -> int:
     else:
         print(_render(args.registry, status))
     return 0
+
+
+def _curve(directory: str) -> Curve:
+    """This host's client key pair if it has one, else the cluster's server pair."""
+    try:
+        return Curve.load(directory, role="client")
+    except ConfigError:
+        return Curve.load(directory, role="server")
 
 
 def _render(address: str, status: dict[str, Any]) -> str:
@@ -62,6 +75,23 @@ def _render(address: str, status: dict[str, Any]) -> str:
             )
     for m in status.get("joining") or []:
         lines.append(f"   -  {m['address']:<24} {m['host'] + ':' + str(m['pid']):<22} (joining)")
+    workers = status.get("workers") or []
+    if workers:
+        idle = sum(1 for w in workers if w.get("state") == "idle")
+        lines.append(f"worker daemons: {idle} idle, {len(workers) - idle} busy")
+        lines.append(
+            f"  {'name':<16} {'state':<5} {'address':<24} {'host:pid':<22} {'device':<7} "
+            f"{'beat':>6} {'jobs':>5}"
+        )
+        for w in workers:
+            age = w.get("heartbeat_age")
+            beat = f"{age:.1f}s" if isinstance(age, int | float) else "-"
+            job = f"  job {w['job']}" if w.get("job") else ""
+            lines.append(
+                f"  {w['name']:<16} {w['state']:<5} {w['address']:<24} "
+                f"{w['host'] + ':' + str(w['pid']):<22} {w['device']:<7} {beat:>6} "
+                f"{w.get('jobs_done', 0):>5}{job}"
+            )
     if status.get("evicted"):
         lines.append(f"evicted: {', '.join(status['evicted'])}")
     return "\n".join(lines)

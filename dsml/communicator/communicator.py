@@ -53,7 +53,9 @@ class Communicator:
         self._planner = Planner(config.chunk_bytes, self._placement)
         self._p2p = PointToPoint(mesh, self._placement)
         self._keeper.listeners.append(lambda _old, _new: self._p2p.reset())
-        self._link = EngineLink(self._runner, lambda: (self.rank, self.epoch))
+        self._link = EngineLink(
+            self._runner, lambda: (self.rank, self.epoch), trace=config.engine_trace
+        )
         registry.attach(self._keeper)
         registry.start_heartbeats(self._progress)
 

@@ -33,8 +33,11 @@ Array = Any
 class EngineLink:
     """A communicator's engine, its ordering var, and pushed or queued collectives."""
 
-    def __init__(self, runner: Runner, where: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self, runner: Runner, where: Callable[[], tuple[int, int]], *, trace: bool = False
+    ) -> None:
         self._runner = runner
+        self._trace = trace
         self._where = where  # (rank, epoch), for names and errors
         self._engine: Engine | None = None
         self._var: Var | None = None
@@ -42,7 +45,7 @@ class EngineLink:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self._engine = Engine(name=f"rank {self._where()[0]}")
+            self._engine = Engine(name=f"rank {self._where()[0]}", trace=self._trace)
         return self._engine
 
     @property

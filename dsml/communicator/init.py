@@ -20,6 +20,7 @@ from ..config import CommConfig, env_float, env_int, environ
 from ..errors import ConfigError
 from ..membership import Member, RegistryClient
 from ..transport import check_address
+from ..transport.addresses import advertised
 from .communicator import Communicator
 from .mesh import Mesh
 
@@ -78,20 +79,11 @@ def _resolve(
     return _JoinArgs(registry, size, rank, name, config, spec, local_rank)
 
 
-def _advertised(address: str) -> str:
-    """The bound address as peers can reach it (a wildcard host becomes this host)."""
-    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
-        if address.startswith(wildcard):
-            host = socket.gethostbyname(socket.gethostname())
-            return f"tcp://{host}:{address[len(wildcard) :]}"
-    return address
-
-
 async def _join(args: _JoinArgs) -> Communicator:
     loop = asyncio.get_running_loop()
     member_id = secrets.token_hex(8)
     mesh = Mesh(member_id, args.config)
-    address = _advertised(mesh.bind())
+    address = advertised(mesh.bind())
     member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
     registry = RegistryClient(args.registry, member, args.config)
     try:

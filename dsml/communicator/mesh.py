@@ -98,6 +98,7 @@ class Mesh:
             self._dispatch,
             max_frame_bytes=self.config.max_frame_bytes,
             name="mesh",
+            curve=self.config.curve,
         )
         return self._endpoint.address
 
@@ -128,6 +129,7 @@ class Mesh:
                     copy_threshold=self.config.zero_copy_min_bytes,
                     max_frame_bytes=self.config.max_frame_bytes,
                     on_disconnect=functools.partial(self._disconnected, member.id),
+                    curve=self.config.curve,
                 )
                 if self.wrap_channel is not None:
                     channel = self.wrap_channel(member.id, channel)

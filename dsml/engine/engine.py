@@ -139,9 +139,19 @@ class Engine(EngineBase):
 
     def write_trace(self, path: str | PathLike[str]) -> None:
         """Write the recorded ops as a Chrome / Perfetto trace (JSON) to `path`."""
+        self._recorder().write(path, f"dsml engine {self.name}")
+
+    def trace(self) -> dict[str, Any]:
+        """The recorded ops as a Chrome trace-event dict (what `write_trace` writes)."""
+        return self._recorder().chrome_trace(f"dsml engine {self.name}")
+
+    def _recorder(self) -> TraceRecorder:
         if self._tracer is None:
-            raise ConfigError(f"engine {self.name!r} records no trace: use Engine(trace=True)")
-        self._tracer.write(path, f"dsml engine {self.name}")
+            raise ConfigError(
+                f"engine {self.name!r} records no trace: use Engine(trace=True), or "
+                "CommConfig(engine_trace=True) for a communicator's engine"
+            )
+        return self._tracer
 
     async def aclose(self, *, cancel: bool = False) -> None:
         """Refuse new pushes, wait for every pushed op, then shut the thread pool down.

@@ -57,7 +57,11 @@ class RegistryClient:
     def open(self) -> None:
         """Connect the channel (ZeroMQ connects in the background; nothing waits here)."""
         self._channel = Channel.connect(
-            self.address, self.member.id.encode(), handler=self._dispatch, linger_s=1.0
+            self.address,
+            self.member.id.encode(),
+            handler=self._dispatch,
+            linger_s=1.0,
+            curve=self.config.curve,
         )
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
@@ -126,6 +130,7 @@ class RegistryClient:
                 self.member.id.encode() + b".hb",
                 self.heartbeat_interval,
                 lambda: Envelope(Kind.HEARTBEAT, body=progress()),
+                curve=self.config.curve,
             )
 
     def stop_heartbeats(self) -> None:
@@ -229,10 +234,13 @@ class RegistryClient:
         return f"<RegistryClient {self.member.id} -> {self.address} view={self.view!r}>"
 
 
-async def query_status(address: str, *, registry_timeout: float = 5.0) -> dict[str, Any]:
-    """Ask the registry at address for its status (used by `dsml status`)."""
+async def query_status(
+    address: str, *, registry_timeout: float = 5.0, curve: Any = None
+) -> dict[str, Any]:
+    """Ask the registry at address for its status (`dsml status`, `dsml.Client`)."""
     member = Member(id=f"status-{secrets.token_hex(6)}", address="")
-    client = RegistryClient(address, member, CommConfig(registry_timeout=registry_timeout))
+    config = CommConfig(registry_timeout=registry_timeout, curve=curve)
+    client = RegistryClient(address, member, config)
     client.open()
     try:
         return await client.status()

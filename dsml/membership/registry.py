@@ -36,6 +36,7 @@ from ..config import RegistryConfig
 from ..errors import ConfigError, ProtocolError
 from ..transport import Endpoint, check_address
 from ..wire import Envelope, Fields, Kind
+from .pool import WorkerPool
 from .view import Change, Member, View
 
 __all__ = ["Registry", "open_registry"]
@@ -93,6 +94,7 @@ class Registry:
         self._live: dict[str, _Liveness] = {}
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
         self._suspects: set[str] = set()  # being checked
+        self.pool = WorkerPool()  # worker daemons waiting for jobs (`dsml worker`)
         self._started_at = time.monotonic()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._window: asyncio.TimerHandle | None = None
@@ -104,6 +106,8 @@ class Registry:
             Kind.SUSPECT: self.handle_suspect,
             Kind.READY: self.handle_ready,
             Kind.REJOIN: self.handle_rejoin,
+            Kind.WORKER_HELLO: self.handle_worker_hello,
+            Kind.WORKER_BYE: self.handle_worker_bye,
         }
 
     async def _start(self) -> Registry:
@@ -113,6 +117,7 @@ class Registry:
             max_frame_bytes=self.config.max_message_bytes,
             max_envelope_bytes=self.config.max_message_bytes,
             name="registry",
+            curve=self.config.curve,
         )
         self._started_at = time.monotonic()
         self._spawn(self._watchdog())
@@ -409,6 +414,8 @@ class Registry:
         period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
         while True:
             await asyncio.sleep(period)
+            for name in self.pool.expire(self.config.heartbeat_timeout):
+                log.warning("worker %s stopped sending heartbeats; no longer listed", name)
             if self._view is None:
                 continue
             now = time.monotonic()
@@ -495,6 +502,15 @@ class Registry:
             return
         self._live[member_id].last_seen = now
 
+    # -- worker daemons ---------------------------------------------------------------------
+
+    def handle_worker_hello(self, sender: bytes, env: Envelope) -> None:
+        record = self.pool.hello(env.body)
+        log.debug("worker %s at %s is %s", record.name, record.address, record.state)
+
+    def handle_worker_bye(self, sender: bytes, env: Envelope) -> None:
+        self.pool.bye(env.body)
+
     # -- status -----------------------------------------------------------------------------
 
     def handle_status_request(self, sender: bytes, env: Envelope) -> None:
@@ -526,6 +542,7 @@ class Registry:
             + [m.to_wire() for m in self._pending.values()],
             "world_size": view.size if view else self._target_size(),
             "evicted": list(self._evicted)[-16:],
+            "workers": self.pool.listing(),
             "heartbeat_interval": self.config.heartbeat_interval,
             "heartbeat_timeout": self.config.heartbeat_timeout,
             "views_published": self.views_published,

@@ -29,6 +29,8 @@ class Kind(enum.IntEnum):
     REREGISTER = 13  # registry: "I restarted and do not know you: tell me your view"
     REJOIN = 14  # worker: "I am this member of this view" (after REREGISTER)
     PING = 15  # registry: "are you connected?" (ignored; only its delivery matters)
+    WORKER_HELLO = 16  # worker daemon: "I serve jobs at this address; idle or busy" (periodic)
+    WORKER_BYE = 17  # worker daemon: "I am shutting down"
 
     # -- data plane: peer <-> peer --------------------------------------------------------
     CHUNK = 20  # peer: "payload of step/chunk of collective #cid" (raw frames follow)
@@ -38,3 +40,11 @@ class Kind(enum.IntEnum):
     GOODBYE = 24  # peer: "I closed my communicator after collective #cid"
     PEER_MESSAGE = 25  # peer: "point-to-point payload for (tag, sequence)" (send/recv)
     CONFIRM = 26  # peer: "I reached round `step` of the agreement of collective #cid"
+
+    # -- jobs: client <-> worker daemon -------------------------------------------------------
+    JOB_SUBMIT = 30  # client: "run this function as rank r of a job" (pickled fn + raw frames)
+    JOB_ACCEPTED = 31  # worker: "I run it" (rank 0 adds the address of the job's registry)
+    JOB_REFUSED = 32  # worker: "I cannot run it" (busy, malformed; reason)
+    JOB_OUTPUT = 33  # worker: "the job printed this" (stream, text)
+    JOB_RESULT = 34  # worker: "the job ended" (ok + value frames, or error + traceback)
+    JOB_CANCEL = 35  # client: "stop that job"

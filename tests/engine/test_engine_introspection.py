@@ -132,3 +132,27 @@ async def test_the_trace_file_has_one_event_per_op_phase_on_separate_tracks(
 def test_write_trace_without_tracing_says_how_to_turn_it_on(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="trace=True"):
         Engine().write_trace(tmp_path / "t.json")
+
+
+async def test_a_communicators_engine_traces_when_asked_and_says_how_otherwise() -> None:
+    import numpy as np
+
+    import dsml
+    from dsml.testing import open_local_cluster
+
+    traced = dsml.CommConfig(engine_trace=True, timeout=10)
+    async with open_local_cluster(2, config=traced) as cluster:
+
+        async def step(comm: dsml.Communicator) -> None:
+            x = np.ones(4)
+            comm.engine.push(lambda: comm.all_reduce(x), mutate=[comm.var], name="allreduce")
+            await comm.engine.wait_all()
+
+        await cluster.run(step)
+        trace = cluster[0].engine.trace()
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert "allreduce" in names
+
+    async with open_local_cluster(1) as cluster:
+        with pytest.raises(dsml.ConfigError, match="CommConfig\\(engine_trace=True\\)"):
+            cluster[0].engine.trace()

@@ -1,0 +1,474 @@
+"""`dsml.Client`: run a function on worker daemons (daemon layer).
+
+`await client.run(fn, *args, workers=k)` picks k idle daemons from the registry's list,
+sends each the function as rank 0..k-1, and returns their results in rank order. Rank 0 is
+asked first: it opens the job's registry and says where, then the others are sent the job
+with that address. What the workers print arrives while the job runs and is printed here
+with the rank in front. The first failure (a remote exception, a refused job, a worker
+that disconnects) cancels the job on every other worker and raises; so does cancelling
+`run` itself. Either way the workers end up idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import os
+import secrets
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from ..config import CommConfig
+from ..errors import (
+    ConfigError,
+    DsmlError,
+    JobTimeoutError,
+    ProtocolError,
+    RemoteError,
+    WorkerLostError,
+)
+from ..membership import query_status
+from ..transport import Channel, check_address
+from ..wire import Envelope, Fields, Kind
+from ..wire.values import unpack_value
+from .protocol import JobSpec, encode_job, envelope, job_config
+
+__all__ = ["Client", "WorkerInfo"]
+
+_CANCEL_WAIT_S = 5.0  # after a failure or a cancel, time the other ranks get to report
+#: Errors a rank raises because another rank failed first: not the root cause.
+_CONSEQUENCES = frozenset(
+    {
+        "CancelledError",
+        "dsml.errors.PeerLostError",
+        "dsml.errors.CollectiveAbortedError",
+        "dsml.errors.MembershipChangedError",
+        "dsml.errors.CollectiveTimeoutError",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker daemon as the registry lists it."""
+
+    name: str
+    address: str
+    state: str  # "idle" or "busy"
+    device: str
+    host: str
+    pid: int
+    job: str  # the job it runs ("" when idle)
+    jobs_done: int
+    heartbeat_age: float
+    id: str
+
+    @classmethod
+    def from_status(cls, entry: dict[str, Any]) -> WorkerInfo:
+        return cls(
+            name=entry["name"],
+            address=entry["address"],
+            state=entry["state"],
+            device=entry["device"],
+            host=entry["host"],
+            pid=entry["pid"],
+            job=entry.get("job", ""),
+            jobs_done=entry.get("jobs_done", 0),
+            heartbeat_age=entry.get("heartbeat_age", 0.0),
+            id=entry["id"],
+        )
+
+
+class _Job:
+    """The client's side of one job: per rank, its acceptance and its outcome."""
+
+    def __init__(self, job_id: str, workers: Sequence[WorkerInfo], label: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.id = job_id
+        self.label = label
+        self.workers = list(workers)
+        self.accepted: list[asyncio.Future[str | None]] = [loop.create_future() for _ in workers]
+        self.results: list[asyncio.Future[Any]] = [loop.create_future() for _ in workers]
+        self.submitted: set[int] = set()
+        self.errors: list[RemoteError] = []  # in the order they arrived
+        self.partial: dict[tuple[int, str], str] = {}  # an output line still being written
+        self.config: dict[str, Any] = {}  # CommConfig settings for the job's communicator
+        for future in self.results:
+            future.add_done_callback(_consume)
+
+    def rank_at(self, address: str) -> list[int]:
+        return [r for r, w in enumerate(self.workers) if w.address == address]
+
+    def fail(self, rank: int, error: RemoteError) -> None:
+        if not self.accepted[rank].done():
+            self.accepted[rank].set_result(None)
+        if not self.results[rank].done():
+            self.errors.append(error)
+            self.results[rank].set_exception(error)
+
+    def root_cause(self) -> RemoteError:
+        for error in self.errors:
+            if error.error_type not in _CONSEQUENCES:
+                return error
+        return self.errors[0]
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: a failure we reported another way is not "never"
+
+
+class Client:
+    """Submits jobs to the worker daemons listed by the registry at `registry`.
+
+    Args:
+        registry: the cluster's registry address.
+        curve_keys: folder made by `dsml keys generate`; needed when the cluster uses CURVE.
+            This client's key (client.key) must be allowlisted on the workers.
+        connect_timeout: how long a worker may take to accept a job before it is
+            reported as unreachable.
+    """
+
+    def __init__(
+        self,
+        registry: str,
+        curve_keys: str | os.PathLike[str] | None = None,
+        *,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.registry = check_address(registry, "registry address")
+        self.curve: Any = None
+        if curve_keys is not None:
+            from ..transport import Curve
+
+            self.curve = Curve.load(curve_keys, role="client")
+        self.connect_timeout = connect_timeout
+        self.id = f"client-{secrets.token_hex(6)}"
+        self._channels: dict[str, Channel] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._finished: collections.deque[str] = collections.deque(maxlen=256)
+        self._lost_ids: set[str] = set()
+        self._closed = False
+
+    # -- workers ----------------------------------------------------------------------------
+
+    async def workers(self) -> list[WorkerInfo]:
+        """The worker daemons the registry lists, idle and busy, by name."""
+        status = await query_status(
+            self.registry, registry_timeout=self.connect_timeout, curve=self.curve
+        )
+        return [WorkerInfo.from_status(entry) for entry in status.get("workers", [])]
+
+    def _choose(self, infos: list[WorkerInfo], wanted: int | None) -> list[WorkerInfo]:
+        # A worker still listed busy with a job of ours that ended is idle by now (its next
+        # hello says so), unless it was lost during that job.
+        idle = [
+            w
+            for w in infos
+            if w.state == "idle" or (w.job in self._finished and w.id not in self._lost_ids)
+        ]
+        busy = len(infos) - len(idle)
+        if not infos:
+            raise DsmlError(
+                f"no workers are listed by the registry at {self.registry}: start some with "
+                f"`dsml worker --registry {self.registry}` (or use dsml.LocalCluster)"
+            )
+        if wanted is None:
+            if not idle:
+                raise DsmlError(f"all {busy} workers are busy; try again when a job ended")
+            return idle
+        if len(idle) < wanted:
+            raise DsmlError(
+                f"asked for {wanted} workers, but only {len(idle)} of the {len(infos)} "
+                f"listed are idle ({busy} busy)"
+            )
+        return idle[:wanted]
+
+    # -- running ----------------------------------------------------------------------------
+
+    async def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        workers: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the public name (DESIGN.md)
+        config: CommConfig | None = None,
+    ) -> list[Any]:
+        """Run `fn(comm, *args)` on `workers` idle workers (all idle ones when None).
+
+        Returns the results in rank order. `fn` may be a coroutine function (awaited) or a
+        plain one (called on the worker's event loop). Results must be plain data: None,
+        bool, int, float, complex, str, bytes, lists, tuples, dicts, numpy arrays and
+        scalars. `config` sets the job's communicator (collective `timeout`,
+        `engine_trace`, `chunk_bytes`, ...); where it binds is the daemon's choice.
+
+        Raises:
+            RemoteError: `fn` raised on a worker (`rank`, `traceback`); the other workers'
+                part of the job was cancelled.
+            WorkerLostError: a worker died or disconnected during the job.
+            JobTimeoutError: the job took longer than `timeout` seconds (it was cancelled).
+            DsmlError: not enough idle workers, or a worker refused the job.
+        """
+        if self._closed:
+            raise DsmlError("this client is closed")
+        if not callable(fn):
+            raise ConfigError(f"fn must be callable, got {type(fn).__name__}")
+        if workers is not None and (type(workers) is not int or workers < 1):
+            raise ConfigError(f"workers must be a positive integer or None, got {workers!r}")
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout must be positive seconds or None, got {timeout!r}")
+        if config is not None and not isinstance(config, CommConfig):
+            raise ConfigError(f"config must be a dsml.CommConfig, got {type(config).__name__}")
+        try:
+            frames = encode_job(fn, args)
+        except Exception as exc:
+            raise ConfigError(f"cannot send {fn!r} and its arguments: {exc}") from exc
+        chosen = self._choose(await self.workers(), workers)
+        for worker in chosen:
+            if worker.state == "busy":  # still on a job of ours that ended here (interrupted)
+                self._channel(worker.address).send_nowait(
+                    envelope(Kind.JOB_CANCEL, {"job": worker.job})
+                )
+        job = _Job(secrets.token_hex(6), chosen, getattr(fn, "__qualname__", repr(fn)))
+        job.config = job_config(config)
+        self._jobs[job.id] = job
+        try:
+            try:
+                async with asyncio.timeout(timeout) as deadline:
+                    return await self._drive(job, frames)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                raise JobTimeoutError(
+                    f"job {job.label} did not finish within {timeout:g} s on "
+                    f"{len(chosen)} workers; it was cancelled on every worker"
+                ) from None
+        except BaseException:
+            await asyncio.shield(self._cancel(job))
+            raise
+        finally:
+            self._jobs.pop(job.id, None)
+            self._finished.append(job.id)
+
+    async def _drive(self, job: _Job, frames: list[Any]) -> list[Any]:
+        await self._submit(job, 0, frames, None)
+        group = await self._wait_accepted(job, 0)
+        if group is not None:
+            for rank in range(1, len(job.workers)):
+                await self._submit(job, rank, frames, group)
+            for rank in range(1, len(job.workers)):
+                await self._wait_accepted(job, rank)
+        await asyncio.wait(job.results, return_when=asyncio.FIRST_EXCEPTION)
+        if job.errors:
+            await self._cancel(job)
+            raise job.root_cause()
+        return [future.result() for future in job.results]
+
+    async def _submit(self, job: _Job, rank: int, frames: list[Any], group: str | None) -> None:
+        worker = job.workers[rank]
+        spec = JobSpec(job.id, rank, len(job.workers), group, job.config)
+        channel = self._channel(worker.address)
+        job.submitted.add(rank)
+        await channel.send(envelope(Kind.JOB_SUBMIT, spec.to_wire()), frames)
+
+    async def _wait_accepted(self, job: _Job, rank: int) -> str | None:
+        worker = job.workers[rank]
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.accepted[rank]), self.connect_timeout)
+        except TimeoutError:
+            job.fail(
+                rank,
+                WorkerLostError(
+                    f"worker {worker.name} at {worker.address} did not accept job "
+                    f"{job.label} within {self.connect_timeout:g} s: it may have died "
+                    "(`dsml status` shows its last heartbeat) or, with CURVE, refused this "
+                    "client's key",
+                    rank=rank,
+                    worker=worker.name,
+                ),
+            )
+            return None
+
+    async def _cancel(self, job: _Job) -> None:
+        """Cancel the job where it still runs; wait a little for those ranks to report."""
+        running = [r for r in sorted(job.submitted) if not job.results[r].done()]
+        for rank in running:
+            channel = self._channels.get(job.workers[rank].address)
+            if channel is not None and not channel.closed:
+                with contextlib.suppress(DsmlError):
+                    channel.send_nowait(envelope(Kind.JOB_CANCEL, {"job": job.id}))
+        for rank in range(len(job.workers)):
+            if rank not in job.submitted and not job.results[rank].done():
+                job.results[rank].cancel()  # never sent: nothing to wait for
+        waiting = [job.results[r] for r in running]
+        if waiting:
+            await asyncio.wait(waiting, timeout=_CANCEL_WAIT_S)
+
+    # -- replies ----------------------------------------------------------------------------
+
+    def _channel(self, address: str) -> Channel:
+        channel = self._channels.get(address)
+        if channel is None or channel.closed:
+            options: dict[str, Any] = {}
+            if self.curve is not None:
+                options = {
+                    "curve": self.curve,
+                    "on_refused": functools.partial(self._refused, address),
+                }
+            channel = Channel.connect(
+                address,
+                self.id.encode(),
+                handler=functools.partial(self._on_reply, address),
+                on_disconnect=functools.partial(self._lost, address),
+                max_frame_bytes=CommConfig().max_frame_bytes,
+                **options,
+            )
+            self._channels[address] = channel
+        return channel
+
+    def _on_reply(
+        self, address: str, sender: bytes, env: Envelope, payload: list[memoryview]
+    ) -> None:
+        fields = Fields(env.body, env.kind.name)
+        job = self._jobs.get(fields.get_str("job", 64))
+        if job is None:
+            return  # a late report of a job that ended here
+        rank = fields.get_int("rank", 0, len(job.workers) - 1)
+        if job.workers[rank].address != address:
+            raise ProtocolError(f"{address} reported for rank {rank}, which it does not run")
+        if env.kind is Kind.JOB_ACCEPTED:
+            if not job.accepted[rank].done():
+                job.accepted[rank].set_result(fields.get_str("group", 256))
+        elif env.kind is Kind.JOB_OUTPUT:
+            self._print(job, rank, fields.get_str("stream", 8), fields.get_str("text", 1 << 16))
+        elif env.kind is Kind.JOB_REFUSED:
+            reason = fields.get_str("reason", 1024)
+            job.fail(
+                rank,
+                RemoteError(
+                    f"worker {job.workers[rank].name} refused job {job.label}: {reason}",
+                    rank=rank,
+                    error_type="refused",
+                    worker=job.workers[rank].name,
+                ),
+            )
+        elif env.kind is Kind.JOB_RESULT:
+            self._on_result(job, rank, fields, payload)
+        else:
+            raise ProtocolError(f"a worker does not send {env.kind.name}")
+
+    def _on_result(self, job: _Job, rank: int, fields: Fields, payload: list[memoryview]) -> None:
+        self._flush_output(job, rank)
+        worker = job.workers[rank].name
+        if fields.get_bool("ok"):
+            if not payload:
+                raise ProtocolError("a JobResult carries its value frames")
+            try:
+                value = unpack_value(payload[0], payload[1:])
+            except ProtocolError as exc:
+                job.fail(
+                    rank,
+                    RemoteError(
+                        f"rank {rank} sent a malformed result: {exc}",
+                        rank=rank,
+                        error_type="ProtocolError",
+                        worker=worker,
+                    ),
+                )
+                return
+            if not job.accepted[rank].done():
+                job.accepted[rank].set_result(None)
+            if not job.results[rank].done():
+                job.results[rank].set_result(value)
+            return
+        error_type = fields.get_str("error_type", 256)
+        message = fields.get_str("message", 8192)
+        trace = fields.get_str("traceback", 1 << 16)
+        text = f"rank {rank} ({worker}) raised {error_type}: {message}"
+        if trace:
+            text += f"\n\nRemote traceback (rank {rank}, {worker}):\n{trace.rstrip()}"
+        job.fail(
+            rank,
+            RemoteError(text, rank=rank, traceback=trace, error_type=error_type, worker=worker),
+        )
+
+    def _lost(self, address: str) -> None:
+        for job in list(self._jobs.values()):
+            for rank in job.rank_at(address):
+                if rank in job.submitted and not job.results[rank].done():
+                    worker = job.workers[rank]
+                    self._lost_ids.add(worker.id)
+                    job.fail(
+                        rank,
+                        WorkerLostError(
+                            f"worker {worker.name} (rank {rank}, {address}, pid {worker.pid}) "
+                            f"disconnected while running job {job.label}: it died or was killed",
+                            rank=rank,
+                            worker=worker.name,
+                            error_type="WorkerLost",
+                        ),
+                    )
+
+    def _refused(self, address: str, reason: str) -> None:
+        for job in list(self._jobs.values()):
+            for rank in job.rank_at(address):
+                job.fail(
+                    rank,
+                    RemoteError(
+                        f"worker {job.workers[rank].name} at {address}: {reason}",
+                        rank=rank,
+                        error_type="refused",
+                        worker=job.workers[rank].name,
+                    ),
+                )
+
+    def _print(self, job: _Job, rank: int, stream: str, text: str) -> None:
+        key = (rank, stream)
+        text = job.partial.pop(key, "") + text
+        *lines, rest = text.split("\n")
+        if rest:
+            job.partial[key] = rest
+        out = sys.stderr if stream == "stderr" else sys.stdout
+        if lines:
+            out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+            out.flush()
+
+    def _flush_output(self, job: _Job, rank: int) -> None:
+        for stream in ("stdout", "stderr"):
+            rest = job.partial.pop((rank, stream), "")
+            if rest:
+                self._print(job, rank, stream, rest + "\n")
+
+    # -- closing ----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Cancel running jobs and close the connections to the workers."""
+        if self._closed:
+            return
+        self._closed = True
+        for job in list(self._jobs.values()):
+            await self._cancel(job)
+        for channel in self._channels.values():
+            await channel.aclose(linger_s=0.5)
+        self._channels.clear()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._jobs)} running"
+        curve = " curve" if self.curve is not None else ""
+        return f"<Client registry={self.registry}{curve} jobs {state}>"

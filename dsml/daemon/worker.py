@@ -1,0 +1,414 @@
+"""The worker daemon behind `dsml worker` (daemon layer).
+
+A daemon binds one job endpoint, tells the registry every heartbeat interval that it is
+there and whether it is busy, and runs one job at a time. A job is `fn(comm, *args)` sent
+by a `dsml.Client` to k daemons as ranks 0..k-1: rank 0 opens a registry of the job's own
+(so the job's group is exactly its workers, and the cluster's registry never carries a
+job's membership), the others join it, and each builds a communicator with `dsml.init`.
+What the job prints goes to the client line by line; its result, or its error with the
+traceback, goes back when it ends. A failing job never takes the daemon down; after every
+job the daemon is idle again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
+
+from ..communicator import init
+from ..config import CommConfig, RegistryConfig
+from ..errors import ConfigError, ProtocolError
+from ..membership import open_registry
+from ..membership.registry import Registry
+from ..transport import Beacon, Channel, Endpoint, check_address
+from ..transport.addresses import advertised
+from ..wire import Envelope, Fields, Kind
+from ..wire.values import pack_value
+from .protocol import MAX_OUTPUT_CHARS, JobSpec, apply_job_config, decode_job, envelope
+
+__all__ = ["WorkerConfig", "WorkerDaemon"]
+
+log = logging.getLogger("dsml.worker")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LEAVE_WAIT_S = 3.0  # rank 0 keeps the job's registry until the others left, this long
+_CANCEL_WAIT_S = 5.0  # on shutdown, time a cancelled job gets to end
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Settings of one worker daemon.
+
+    Attributes:
+        registry: the cluster's registry, where the daemon is listed.
+        name: shown by `dsml status` and `client.workers()` (default: host-pid).
+        device: "cpu" or "cuda:N", passed to `dsml.init` for each job.
+        bind: the job endpoint's address; a job's registry and peer links bind the same
+            host. Anything but loopback needs `curve`.
+        curve: CURVE keys (`dsml.transport.Curve`, role "server"): clients must be
+            allowlisted, and every socket of the daemon and its jobs is encrypted.
+        heartbeat_interval: seconds between the daemon's hellos to the registry.
+        comm: settings of the jobs' communicators (`bind` is derived from `bind`).
+    """
+
+    registry: str
+    name: str = ""
+    device: str = "cpu"
+    bind: str = "tcp://127.0.0.1:0"
+    curve: Any = None
+    heartbeat_interval: float = 1.0
+    comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+
+    def __post_init__(self) -> None:
+        check_address(self.registry, "registry address")
+        check_address(self.bind, "bind address")
+        if self.heartbeat_interval <= 0:
+            raise ConfigError("heartbeat_interval must be positive")
+
+
+@dataclasses.dataclass(slots=True)
+class _Job:
+    spec: JobSpec
+    client: bytes
+    frames: list[memoryview]
+    task: asyncio.Task[None] | None = None
+    cancelled: bool = False
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class WorkerDaemon:
+    """One worker daemon; `await WorkerDaemon(config).start()`, then `aclose()`."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.id = secrets.token_hex(8)
+        self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.jobs_done = 0
+        self.refused = 0
+        self._endpoint: Endpoint | None = None
+        self._beacon: Beacon | None = None
+        self._job: _Job | None = None
+        self._next: _Job | None = None  # submitted while the previous job is cancelling
+        self._closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._host = _host_of(config.bind)
+        self._closing_registries: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> WorkerDaemon:
+        self._endpoint = Endpoint.bind(
+            self.config.bind,
+            self._on_message,
+            max_frame_bytes=self.config.comm.max_frame_bytes,
+            name="worker",
+            curve=self.config.curve,
+        )
+        self._beacon = Beacon(
+            self.config.registry,
+            f"worker-{self.id}".encode(),
+            self.config.heartbeat_interval,
+            self._hello,
+            curve=self.config.curve,
+        )
+        log.info("worker %s serving on %s", self.name, self.address)
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self._endpoint is not None, "the daemon is not started"
+        return advertised(self._endpoint.address)
+
+    @property
+    def busy(self) -> bool:
+        return self._job is not None
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def aclose(self) -> None:
+        """Cancel a running job (the client hears so), deregister, close every socket."""
+        if self._closing:
+            return
+        self._closing = True
+        self._next = None
+        job = self._job
+        if job is not None and job.task is not None:
+            job.cancelled = True
+            job.task.cancel()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._idle.wait()), _CANCEL_WAIT_S)
+        if self._closing_registries:
+            await asyncio.wait(self._closing_registries, timeout=_LEAVE_WAIT_S + 1)
+        if self._beacon is not None:
+            self._beacon.stop()  # no hello may follow the goodbye
+        await self._say_goodbye()
+        if self._endpoint is not None:
+            await self._endpoint.aclose()
+
+    async def _say_goodbye(self) -> None:
+        with contextlib.suppress(Exception):
+            channel = Channel.connect(
+                self.config.registry, f"worker-{self.id}.bye".encode(), curve=self.config.curve
+            )
+            await channel.send(envelope(Kind.WORKER_BYE, {"id": self.id}))
+            await channel.aclose(linger_s=1.0)
+
+    def _hello(self) -> Envelope:
+        job = self._job
+        return envelope(
+            Kind.WORKER_HELLO,
+            {
+                "id": self.id,
+                "name": self.name,
+                "address": self.address,
+                "device": self.config.device,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "state": "busy" if job is not None else "idle",
+                "job": job.spec.job if job is not None else "",
+                "jobs_done": self.jobs_done,
+            },
+        )
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _on_message(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        if env.kind is Kind.JOB_SUBMIT:
+            self._on_submit(sender, env, payload)
+        elif env.kind is Kind.JOB_CANCEL:
+            job_id = Fields(env.body, "JobCancel").get_str("job", 64)
+            self._on_cancel(sender, job_id)
+        else:
+            raise ProtocolError(f"a worker does not accept {env.kind.name}")
+
+    def _on_submit(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        spec = JobSpec.from_wire(env.body)
+        if not payload:
+            raise ProtocolError("JobSubmit carries the pickled function as its first frame")
+        job = _Job(spec, sender, payload)
+        current = self._job
+        if self._closing:
+            self._refuse(job, "the worker is shutting down")
+        elif current is None:
+            self._start(job)
+        elif current.cancelled and current.client == sender and self._next is None:
+            self._next = job  # the client's previous job is still winding down
+        else:
+            self._refuse(job, f"the worker is busy with job {current.spec.job}")
+
+    def _refuse(self, job: _Job, reason: str) -> None:
+        self.refused += 1
+        log.warning("refused job %s: %s", job.spec.job, reason)
+        self._send(job, Kind.JOB_REFUSED, {"reason": reason})
+
+    def _on_cancel(self, sender: bytes, job_id: str) -> None:
+        job = self._job
+        if job is not None and job.spec.job == job_id and job.client == sender:
+            if not job.cancelled and job.task is not None:
+                log.info("job %s cancelled by its client", job_id)
+                job.cancelled = True
+                job.task.cancel()
+        elif self._next is not None and self._next.spec.job == job_id:
+            self._next = None
+
+    def _start(self, job: _Job) -> None:
+        self._job = job
+        self._idle.clear()
+        job.task = asyncio.get_running_loop().create_task(self._run(job))
+        if self._beacon is not None:
+            self._beacon.beat_now()
+
+    def _finish(self, job: _Job) -> None:
+        self._job = None
+        self.jobs_done += 1
+        following, self._next = self._next, None
+        if following is not None and not self._closing:
+            self._start(following)
+            return
+        self._idle.set()
+        if self._beacon is not None:
+            self._beacon.beat_now()
+
+    def _send(
+        self, job: _Job, kind: Kind, body: dict[str, Any], frames: Sequence[Any] = ()
+    ) -> None:
+        body = {"job": job.spec.job, "rank": job.spec.rank} | body
+        if self._endpoint is None or not self._endpoint.send_nowait(
+            job.client, envelope(kind, body), frames
+        ):
+            log.warning("could not send %s of job %s: the client is gone", kind.name, job.spec.job)
+
+    # -- running a job ----------------------------------------------------------------------
+
+    async def _run(self, job: _Job) -> None:
+        registry: Registry | None = None
+        try:
+            try:
+                fn, args = decode_job(job.frames)
+                job.frames = []
+                group = job.spec.group
+                if job.spec.rank == 0:
+                    registry = await open_registry(
+                        config=RegistryConfig(
+                            address=f"tcp://{self._host}:0", curve=self.config.curve
+                        )
+                    )
+                    group = advertised(registry.address)
+                assert group is not None
+                self._send(job, Kind.JOB_ACCEPTED, {"group": group})
+                with _forwarding(self, job):
+                    result = await self._call(job, group, fn, args)
+                header, frames = pack_value(result)
+            except asyncio.CancelledError:
+                self._send(
+                    job, Kind.JOB_RESULT, _failure("CancelledError", "the job was cancelled")
+                )
+            except Exception as exc:
+                self._send(job, Kind.JOB_RESULT, _failure_of(exc))
+            else:
+                self._send(job, Kind.JOB_RESULT, {"ok": True}, [header, *frames])
+        finally:
+            if registry is not None:  # closes once the others left; the next job need not wait
+                task = asyncio.get_running_loop().create_task(_close_job_registry(registry))
+                self._closing_registries.add(task)
+                task.add_done_callback(self._closing_registries.discard)
+            self._finish(job)
+
+    async def _call(self, job: _Job, group: str, fn: Any, args: tuple[Any, ...]) -> Any:
+        comm_config = dataclasses.replace(
+            apply_job_config(self.config.comm, job.spec.config),
+            bind=f"tcp://{self._host}:0",
+            curve=self.config.curve,
+        )
+        async with init(
+            group,
+            job.spec.world_size,
+            rank=job.spec.rank,
+            name=self.name,
+            device=self.config.device,
+            config=comm_config,
+        ) as comm:
+            result = fn(comm, *args)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+
+    def __repr__(self) -> str:
+        state = f"busy with {self._job.spec.job}" if self._job else "idle"
+        address = self._endpoint.address if self._endpoint else "unbound"
+        return f"<WorkerDaemon {self.name} {address} {state} jobs_done={self.jobs_done}>"
+
+
+def _failure(error_type: str, message: str, trace: str = "") -> dict[str, Any]:
+    return {"ok": False, "error_type": error_type, "message": message, "traceback": trace}
+
+
+def _failure_of(exc: BaseException) -> dict[str, Any]:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_HERE):
+        tb = tb.tb_next  # the daemon's own frames say nothing about the user's error
+    trace = "".join(traceback.format_exception(type(exc), exc, tb))
+    if len(trace) > 32_000:
+        trace = trace[:4_000] + "\n[... traceback shortened ...]\n" + trace[-28_000:]
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ != "builtins":
+        name = f"{kind.__module__}.{name}"
+    return _failure(name, str(exc)[:4_000], trace)
+
+
+async def _close_job_registry(registry: Registry) -> None:
+    """Close the job's registry once its members have left (or after a short wait)."""
+    deadline = time.monotonic() + _LEAVE_WAIT_S
+    while registry.view is not None and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    await registry.aclose()
+
+
+def _host_of(bind: str) -> str:
+    if bind.startswith("tcp://"):
+        return bind[len("tcp://") :].rpartition(":")[0]
+    return "127.0.0.1"  # an ipc:// daemon runs its jobs over loopback
+
+
+class _Forward:
+    """A text stream that sends what a job writes to its client, line by line.
+
+    Writes may come from any thread (the engine's pool); sending happens on the loop.
+    """
+
+    def __init__(self, daemon: WorkerDaemon, job: _Job, stream: str, original: TextIO) -> None:
+        self._daemon = daemon
+        self._job = job
+        self._stream = stream
+        self._original = original
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.current_thread()
+        self.encoding = "utf-8"
+        self.errors = "replace"
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending.append(text)
+            if "\n" not in text or self._scheduled:
+                return len(text)
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closing
+            self._loop.call_soon_threadsafe(self.flush)
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            text = "".join(self._pending)
+            self._pending.clear()
+            self._scheduled = False
+        if not text:
+            return
+        if threading.current_thread() is not self._loop_thread:  # wait for the loop's turn
+            with self._lock:
+                self._pending.append(text)
+            return
+        for start in range(0, len(text), MAX_OUTPUT_CHARS):
+            part = text[start : start + MAX_OUTPUT_CHARS]
+            self._daemon._send(self._job, Kind.JOB_OUTPUT, {"stream": self._stream, "text": part})
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._original.fileno()
+
+
+@contextlib.contextmanager
+def _forwarding(daemon: WorkerDaemon, job: _Job) -> Iterator[None]:
+    """Send what the job prints to its client while it runs."""
+    out = _Forward(daemon, job, "stdout", sys.stdout)
+    err = _Forward(daemon, job, "stderr", sys.stderr)
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = out, err
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+        out.flush()
+        err.flush()

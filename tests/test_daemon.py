@@ -1,0 +1,214 @@
+"""Worker daemons, dsml.Client and LocalCluster through real `dsml worker` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dsml
+from dsml.daemon import Client
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def _sum_and_report(comm, x, scale):
+    print(f"rank {comm.rank} of {comm.world_size} starts")
+    await comm.all_reduce(x)
+    return {"rank": comm.rank, "sum": x * scale, "pid": os.getpid()}
+
+
+async def _listed(client: Client, predicate, what: str) -> None:
+    """Poll the registry's worker list until predicate(list) holds (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while not predicate(workers := await client.workers()):
+        assert time.monotonic() < deadline, f"not within 5 s: {what}: {workers}"
+        await asyncio.sleep(0.05)
+
+
+async def _idle(client: Client, n: int) -> None:
+    await _listed(client, lambda ws: sum(w.state == "idle" for w in ws) == n, f"{n} idle")
+
+
+async def test_results_in_rank_order_with_raw_arrays_and_forwarded_prints(capsys):
+    async with dsml.LocalCluster(3) as cluster:
+        client = cluster.client()
+        x = np.arange(5, dtype=np.float32)
+        results = await client.run(_sum_and_report, x, 2.0)
+        assert [r["rank"] for r in results] == [0, 1, 2]
+        for r in results:
+            assert r["sum"].dtype == np.float32
+            np.testing.assert_array_equal(r["sum"], 6 * np.arange(5, dtype=np.float32))
+        assert len({r["pid"] for r in results}) == 3
+        assert {r["pid"] for r in results} == {w.pid for w in cluster.workers}
+        np.testing.assert_array_equal(x, np.arange(5))  # the client's array was not touched
+        out = capsys.readouterr().out
+        for rank in range(3):
+            assert f"[rank {rank}] rank {rank} of 3 starts" in out
+        two = await client.run(lambda comm: (comm.rank, comm.world_size), workers=2)
+        assert two == [(0, 2), (1, 2)]
+
+        traced = dsml.CommConfig(timeout=7.5, engine_trace=True)
+        out = await client.run(_traced_step, config=traced, workers=2)
+        assert [timeout for timeout, _ in out] == [7.5, 7.5]
+        assert all("allreduce" in names for _, names in out)
+        assert (await client.run(lambda comm: comm.config.timeout, workers=1)) == [120.0]
+
+
+async def _traced_step(comm):
+    x = np.ones(3)
+    comm.engine.push(lambda: comm.all_reduce(x), mutate=[comm.var], name="allreduce")
+    await comm.engine.wait_all()
+    names = sorted({e["name"] for e in comm.engine.trace()["traceEvents"] if e["ph"] == "X"})
+    return comm.config.timeout, names
+
+
+def _fail_on_one(comm):
+    if comm.rank == 1:
+        raise ValueError("rank one cannot do this")
+    return comm.rank
+
+
+async def _fail_in_collective(comm):
+    if comm.rank == 2:
+        raise KeyError("no such key")
+    await comm.barrier()  # the others wait for rank 2, which never arrives
+
+
+async def test_remote_error_names_rank_and_traceback_and_daemons_go_on():
+    async with dsml.LocalCluster(3) as cluster:
+        client = cluster.client()
+        with pytest.raises(dsml.RemoteError) as info:
+            await client.run(_fail_on_one)
+        assert info.value.rank == 1
+        assert info.value.error_type == "ValueError"
+        assert "_fail_on_one" in info.value.traceback
+        assert "rank one cannot do this" in str(info.value)
+        assert "dsml/daemon" not in info.value.traceback  # only the user's frames
+
+        started = time.monotonic()
+        with pytest.raises(dsml.RemoteError) as info:
+            await client.run(_fail_in_collective)
+        assert time.monotonic() - started < 10
+        assert info.value.rank == 2  # the root cause, not the ranks it stranded
+        assert info.value.error_type == "KeyError"
+
+        pids = [w.pid for w in cluster.workers]
+        results = await client.run(lambda comm: os.getpid())
+        assert sorted(results) == sorted(pids)
+        await _listed(client, lambda ws: all(w.jobs_done == 3 for w in ws), "3 jobs done")
+
+
+async def _sleep_forever(comm):
+    await comm.barrier()
+    await asyncio.sleep(60)
+
+
+async def test_cancelled_job_leaves_workers_idle_and_usable():
+    async with dsml.LocalCluster(2) as cluster:
+        client = cluster.client()
+        task = asyncio.create_task(client.run(_sleep_forever))
+        await eventually(lambda: bool(client._jobs), "the job started")
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - started < 5
+        await _idle(client, 2)
+        assert await client.run(lambda comm: comm.rank) == [0, 1]
+
+
+async def test_timeout_cancels_the_job_everywhere():
+    async with dsml.LocalCluster(2) as cluster:
+        client = cluster.client()
+        with pytest.raises(dsml.JobTimeoutError, match="did not finish within 0.5 s"):
+            await client.run(_sleep_forever, timeout=0.5)
+        await _idle(client, 2)
+        assert await client.run(lambda comm: comm.world_size) == [2, 2]
+
+
+async def _loop_all_reduce(comm):
+    x = np.ones(1 << 16, dtype=np.float32)
+    while True:
+        await comm.all_reduce(x)
+        x[:] = 1
+
+
+async def test_killed_daemon_mid_job_gives_an_error_within_two_seconds():
+    async with dsml.LocalCluster(3) as cluster:
+        client = cluster.client()
+        task = asyncio.create_task(client.run(_loop_all_reduce))
+        await eventually(
+            lambda: bool(client._jobs) and all(f.done() for f in next(iter(client._jobs.values())).accepted),
+            "every rank accepted the job",
+            within=10,
+        )
+        await asyncio.sleep(0.3)
+        victim = cluster.workers[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(dsml.RemoteError) as info:
+            await task
+        assert time.monotonic() - killed < 2.5
+        assert isinstance(info.value, dsml.WorkerLostError)
+        assert info.value.rank == 1
+        assert "worker-1" in str(info.value)
+        await _idle(client, 2)  # the survivors are idle and run the next job
+        assert await client.run(lambda comm: comm.world_size) == [2, 2]
+
+
+async def test_local_cluster_leaves_no_process_behind_even_after_an_error():
+    pids = []
+    with pytest.raises(RuntimeError, match="inside the block"):
+        async with dsml.LocalCluster(2) as cluster:
+            pids = [w.pid for w in cluster.workers] + [cluster._registry.pid]
+            assert "registry=tcp://127.0.0.1:" in repr(cluster)
+            assert "worker-1" in repr(cluster)
+            raise RuntimeError("inside the block")
+    assert len(pids) == 3
+    assert all(_gone(pid) for pid in pids)
+    assert "closed" in repr(cluster)
+
+    cluster = await dsml.LocalCluster(1)
+    pids = [cluster.workers[0].pid, cluster._registry.pid]
+    await cluster.aclose()
+    assert all(_gone(pid) for pid in pids)
+
+
+async def test_client_refuses_bad_requests_clearly():
+    async with dsml.LocalCluster(2) as cluster:
+        client = cluster.client()
+        with pytest.raises(dsml.DsmlError, match="asked for 3 workers, but only 2"):
+            await client.run(lambda comm: 0, workers=3)
+        with pytest.raises(dsml.ConfigError, match="workers must be"):
+            await client.run(lambda comm: 0, workers=0)
+        with pytest.raises(dsml.ConfigError, match="cannot send"):
+            await client.run(lambda comm, lock: 0, threading.Lock())
+        with pytest.raises(dsml.RemoteError, match="cannot be sent back") as info:
+            await client.run(lambda comm: object())
+        assert info.value.error_type == "TypeError"
+        assert await client.run(lambda comm: comm.rank) == [0, 1]
+
+
+async def test_client_without_registry_fails_fast():
+    client = Client("tcp://127.0.0.1:9", connect_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(dsml.RegistryUnavailableError):
+        await client.run(lambda comm: 0)
+    assert time.monotonic() - started < 3
+    await client.aclose()
