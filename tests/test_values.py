@@ -60,7 +60,8 @@ def test_plain_values_roundtrip_with_their_types(value):
 )
 def test_arrays_travel_as_raw_frames_and_come_back_equal_and_writable(array):
     header, frames = pack_value({"x": array})
-    assert len(frames) == 1 and frames[0].nbytes == array.nbytes
+    assert len(frames) == 1
+    assert frames[0].nbytes == array.nbytes
     assert len(header) < 100  # the bytes are not in the header
     result = _roundtrip({"x": array})["x"]
     assert result.shape == array.shape
@@ -73,9 +74,11 @@ def test_arrays_travel_as_raw_frames_and_come_back_equal_and_writable(array):
 
 def test_numpy_scalars_and_subclasses_of_plain_types():
     result = _roundtrip([np.float32(1.5), np.int64(3), Color.RED])
-    assert result[0] == np.float32(1.5) and result[0].dtype == np.float32
+    assert result[0] == np.float32(1.5)
+    assert result[0].dtype == np.float32
     assert result[1].dtype == np.int64
-    assert result[2] == 1 and type(result[2]) is int
+    assert result[2] == 1
+    assert type(result[2]) is int
 
 
 @pytest.mark.parametrize(

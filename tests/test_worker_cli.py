@@ -98,11 +98,16 @@ async def test_sigterm_deregisters_and_exits_zero_and_status_lists_workers(procs
     assert worker.line.startswith("dsml worker alpha serving on tcp://127.0.0.1:")
     async with Client(address) as client:
         await _wait_listed(client, 1)
-        status = subprocess.run(
-            [*DSML, "status", "--registry", address], capture_output=True, text=True, timeout=30
+        status = await asyncio.to_thread(
+            subprocess.run,
+            [*DSML, "status", "--registry", address],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert "worker daemons: 1 idle, 0 busy" in status.stdout
-        assert "alpha" in status.stdout and worker.address in status.stdout
+        assert "alpha" in status.stdout
+        assert worker.address in status.stdout
 
         worker.popen.send_signal(signal.SIGTERM)
         assert worker.popen.wait(timeout=10) == 0

@@ -8,8 +8,8 @@ import dsml
 
 async def main() -> None:
     async with dsml.init() as comm:
+        await comm.barrier()  # every rank joined: a signal now finds no collective running
         print(f"ready {os.getpid()}", flush=True)
-        await comm.barrier()
         await asyncio.Event().wait()
 
 
