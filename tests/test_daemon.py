@@ -219,3 +219,98 @@ async def test_client_without_registry_fails_fast():
         await client.run(lambda comm: 0)
     assert time.monotonic() - started < 3
     await client.aclose()
+
+
+# -- found in review -------------------------------------------------------------------------
+
+
+async def test_a_job_cancelled_before_it_started_leaves_the_worker_idle():
+    async with dsml.LocalCluster(1) as cluster:
+        client = cluster.client()
+        for _ in range(3):
+            with pytest.raises(dsml.JobTimeoutError):
+                await client.run(_sleep_forever, timeout=1e-6)
+        assert await client.run(lambda comm: comm.rank, timeout=10) == [0]
+
+
+async def _print_forever(comm):
+    while True:
+        print("still here")
+        await asyncio.sleep(0.01)
+
+
+async def test_a_worker_whose_client_vanished_mid_job_survives_and_goes_idle():
+    async with dsml.LocalCluster(1) as cluster:
+        client = cluster.client()
+        task = asyncio.create_task(client.run(_print_forever))
+        await eventually(lambda: bool(client._jobs), "the job started")
+        await asyncio.sleep(0.3)
+        for channel in list(client._channels.values()):  # gone without a word
+            await channel.aclose(linger_s=0)
+        client._channels.clear()
+        other = cluster.client()
+        await _idle(other, 1)
+        assert cluster.workers[0].running
+        assert await other.run(lambda comm: "alive") == ["alive"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def _exit(comm):
+    raise SystemExit(3)
+
+
+async def test_sys_exit_in_a_job_fails_the_job_not_the_worker():
+    async with dsml.LocalCluster(1) as cluster:
+        client = cluster.client()
+        with pytest.raises(dsml.RemoteError) as info:
+            await client.run(_exit)
+        assert info.value.error_type == "SystemExit"
+        assert not isinstance(info.value, dsml.WorkerLostError)
+        assert await client.run(lambda comm: "alive") == ["alive"]
+
+
+def _block(comm, seconds):
+    time.sleep(seconds)
+
+
+async def test_a_job_the_client_gave_up_on_never_runs_later(tmp_path, monkeypatch):
+    from dsml.daemon import client as client_module
+
+    monkeypatch.setattr(client_module, "_CANCEL_WAIT_S", 0.3)
+    async with dsml.LocalCluster(1) as cluster:
+        client = cluster.client()
+        client.connect_timeout = 1.0
+        started = time.monotonic()
+        with pytest.raises(dsml.JobTimeoutError):
+            await client.run(_block, 3.0, timeout=0.3)  # a plain function: not cancellable
+        marker = tmp_path / "ran"
+        with pytest.raises(dsml.WorkerLostError, match="did not accept"):
+            await client.run(lambda comm: marker.write_text("ran"))
+        assert time.monotonic() - started < 3.0  # the blocking job was still running
+        await _idle(client, 1)
+        await asyncio.sleep(0.3)
+        assert not marker.exists()
+
+
+async def test_closing_the_client_ends_a_run_in_progress():
+    async with dsml.LocalCluster(1) as cluster:
+        client = cluster.client()
+        task = asyncio.create_task(client.run(_block, 7))
+        await eventually(lambda: bool(client._jobs), "the job started")
+        started = time.monotonic()
+        await client.aclose()
+        with pytest.raises(dsml.RemoteError, match="closed|cancelled"):
+            await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 7
+
+
+async def test_oversized_arguments_are_refused_before_anything_is_sent(monkeypatch):
+    from dsml.daemon import client as client_module
+
+    monkeypatch.setattr(client_module, "MAX_JOB_FRAME", 1024)
+    client = Client("tcp://127.0.0.1:9")
+    with pytest.raises(dsml.ConfigError, match="over the 1,024-byte limit"):
+        await client.run(lambda comm, x: 0, np.zeros(1000))
+    await client.aclose()

@@ -118,3 +118,17 @@ def test_the_same_frame_cannot_back_two_arrays():
     header = msgpack.packb([spec, spec])
     with pytest.raises(ProtocolError, match="used twice"):
         unpack_value(header, [memoryview(b"x")])
+
+
+def test_nesting_is_bounded_both_ways():
+    value = None
+    for i in range(31):
+        value = (i, value)
+    assert _roundtrip(value)[0] == 30
+    with pytest.raises(TypeError, match="more than 32 deep"):
+        pack_value((0, value))
+    header = msgpack.packb(None)
+    for _ in range(200):  # what a hostile worker could send: must not crash the client
+        header = msgpack.packb(msgpack.ExtType(2, msgpack.packb([1]) + header))
+    with pytest.raises(ProtocolError):
+        unpack_value(header, [])

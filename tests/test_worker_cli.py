@@ -190,3 +190,34 @@ async def test_curve_runs_jobs_only_for_allowlisted_clients(procs, tmp_path):
 
 async def _sum(comm, x):
     return await comm.all_reduce(x)
+
+
+def test_an_embedded_daemon_also_refuses_a_non_loopback_bind_without_curve():
+    from dsml.daemon import WorkerConfig
+
+    with pytest.raises(dsml.ConfigError, match="without CURVE"):
+        WorkerConfig(registry="tcp://127.0.0.1:9", bind="tcp://0.0.0.0:0")
+    with pytest.raises(dsml.ConfigError, match="without CURVE"):
+        WorkerConfig(registry="tcp://127.0.0.1:9", bind="tcp://localhost.example.com:0")
+
+
+async def test_a_malformed_submission_is_refused_with_the_reason():
+    from dsml.daemon import WorkerConfig, WorkerDaemon
+    from dsml.transport import Channel
+    from dsml.wire import Envelope, Kind
+
+    daemon = await WorkerDaemon(WorkerConfig(registry="tcp://127.0.0.1:9")).start()
+    replies: asyncio.Queue = asyncio.Queue()
+    channel = Channel.connect(
+        daemon.address, b"client-test", handler=lambda s, env, p: replies.put_nowait(env)
+    )
+    try:
+        body = {"job": "j1", "rank": 0, "world_size": 0}
+        await channel.send(Envelope(Kind.JOB_SUBMIT, body=body), [b"x"])
+        reply = await asyncio.wait_for(replies.get(), 5)
+        assert reply.kind is Kind.JOB_REFUSED
+        assert "malformed submission" in reply.body["reason"]
+        assert not daemon.busy
+    finally:
+        await channel.aclose(linger_s=0)
+        await daemon.aclose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 from ..daemon import WorkerConfig, WorkerDaemon
 from ..errors import ConfigError, DsmlError, RegistryUnavailableError
 from ..membership import query_status
-from ..transport import Curve, is_loopback
+from ..transport import Curve
 
 __all__ = ["add_parser"]
 
@@ -59,6 +60,11 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    # The daemon's own messages go to the real stderr: while a job runs, sys.stderr is the
+    # job's output, forwarded to its client.
+    logging.basicConfig(
+        stream=sys.__stderr__, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = _config(args)
     except ConfigError as exc:
@@ -71,13 +77,6 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
     if not args.registry:
         raise ConfigError("no registry: pass --registry tcp://host:port or set DSML_REGISTRY")
     curve = Curve.load(args.curve_keys, role="server") if args.curve_keys else None
-    if curve is None and not is_loopback(args.bind):
-        raise ConfigError(
-            f"refusing to serve on {args.bind} without CURVE: a worker runs the functions "
-            "clients send it, so anyone who can reach that address could run code as this "
-            "user. Create keys with `dsml keys generate DIR` and pass --curve-keys DIR, or "
-            "bind a loopback address (the default)."
-        )
     return WorkerConfig(
         registry=args.registry,
         name=args.name,
@@ -121,6 +120,10 @@ async def _serve(config: WorkerConfig) -> int:
         flush=True,
     )
     await stop.wait()
-    print(f"dsml worker {daemon.name} stopping after {daemon.jobs_done} jobs", flush=True)
+    print(
+        f"dsml worker {daemon.name} stopping after {daemon.jobs_done} jobs",
+        file=sys.__stdout__,
+        flush=True,
+    )
     await daemon.aclose()
     return 0

@@ -36,7 +36,7 @@ from ..membership import query_status
 from ..transport import Channel, check_address
 from ..wire import Envelope, Fields, Kind
 from ..wire.values import unpack_value
-from .protocol import JobSpec, encode_job, envelope, job_config
+from .protocol import MAX_JOB_FRAME, JobSpec, encode_job, envelope, job_config
 
 __all__ = ["Client", "WorkerInfo"]
 
@@ -95,6 +95,7 @@ class _Job:
         self.accepted: list[asyncio.Future[str | None]] = [loop.create_future() for _ in workers]
         self.results: list[asyncio.Future[Any]] = [loop.create_future() for _ in workers]
         self.submitted: set[int] = set()
+        self.reported: set[int] = set()  # ranks that sent JobResult or JobRefused
         self.errors: list[RemoteError] = []  # in the order they arrived
         self.partial: dict[tuple[int, str], str] = {}  # an output line still being written
         self.config: dict[str, Any] = {}  # CommConfig settings for the job's communicator
@@ -153,6 +154,7 @@ class Client:
         self._jobs: dict[str, _Job] = {}
         self._finished: collections.deque[str] = collections.deque(maxlen=256)
         self._lost_ids: set[str] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # -- workers ----------------------------------------------------------------------------
@@ -228,6 +230,13 @@ class Client:
             frames = encode_job(fn, args)
         except Exception as exc:
             raise ConfigError(f"cannot send {fn!r} and its arguments: {exc}") from exc
+        for frame in frames:
+            if memoryview(frame).nbytes > MAX_JOB_FRAME:
+                raise ConfigError(
+                    f"an argument of {memoryview(frame).nbytes:,} bytes is over the "
+                    f"{MAX_JOB_FRAME:,}-byte limit of one job frame: send it in parts, or "
+                    "let the workers load it themselves"
+                )
         chosen = self._choose(await self.workers(), workers)
         for worker in chosen:
             if worker.state == "busy":  # still on a job of ours that ended here (interrupted)
@@ -274,7 +283,21 @@ class Client:
         spec = JobSpec(job.id, rank, len(job.workers), group, job.config)
         channel = self._channel(worker.address)
         job.submitted.add(rank)
-        await channel.send(envelope(Kind.JOB_SUBMIT, spec.to_wire()), frames)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await channel.send(envelope(Kind.JOB_SUBMIT, spec.to_wire()), frames)
+        except (TimeoutError, DsmlError) as exc:
+            why = "its queue stayed full" if isinstance(exc, TimeoutError) else str(exc)
+            job.fail(
+                rank,
+                WorkerLostError(
+                    f"could not send job {job.label} to worker {worker.name} at "
+                    f"{worker.address}: {why}",
+                    rank=rank,
+                    worker=worker.name,
+                    error_type="WorkerLost",
+                ),
+            )
 
     async def _wait_accepted(self, job: _Job, rank: int) -> str | None:
         worker = job.workers[rank]
@@ -296,7 +319,8 @@ class Client:
 
     async def _cancel(self, job: _Job) -> None:
         """Cancel the job where it still runs; wait a little for those ranks to report."""
-        running = [r for r in sorted(job.submitted) if not job.results[r].done()]
+        # Also the ranks already failed here (lost, no answer): they may still run it.
+        running = [r for r in sorted(job.submitted) if r not in job.reported]
         for rank in running:
             channel = self._channels.get(job.workers[rank].address)
             if channel is not None and not channel.closed:
@@ -305,7 +329,7 @@ class Client:
         for rank in range(len(job.workers)):
             if rank not in job.submitted and not job.results[rank].done():
                 job.results[rank].cancel()  # never sent: nothing to wait for
-        waiting = [job.results[r] for r in running]
+        waiting = [job.results[r] for r in running if not job.results[r].done()]
         if waiting:
             await asyncio.wait(waiting, timeout=_CANCEL_WAIT_S)
 
@@ -325,7 +349,7 @@ class Client:
                 self.id.encode(),
                 handler=functools.partial(self._on_reply, address),
                 on_disconnect=functools.partial(self._lost, address),
-                max_frame_bytes=CommConfig().max_frame_bytes,
+                max_frame_bytes=MAX_JOB_FRAME,
                 **options,
             )
             self._channels[address] = channel
@@ -341,6 +365,8 @@ class Client:
         rank = fields.get_int("rank", 0, len(job.workers) - 1)
         if job.workers[rank].address != address:
             raise ProtocolError(f"{address} reported for rank {rank}, which it does not run")
+        if env.kind in (Kind.JOB_RESULT, Kind.JOB_REFUSED):
+            job.reported.add(rank)
         if env.kind is Kind.JOB_ACCEPTED:
             if not job.accepted[rank].done():
                 job.accepted[rank].set_result(fields.get_str("group", 256))
@@ -398,6 +424,11 @@ class Client:
         )
 
     def _lost(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:  # a fresh connection for the next job, not this session
+            task = asyncio.get_running_loop().create_task(channel.aclose(linger_s=0))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         for job in list(self._jobs.values()):
             for rank in job.rank_at(address):
                 if rank in job.submitted and not job.results[rank].done():
@@ -453,9 +484,13 @@ class Client:
         self._closed = True
         for job in list(self._jobs.values()):
             await self._cancel(job)
+            for rank in range(len(job.workers)):  # nothing can answer once channels close
+                job.fail(rank, RemoteError("the client was closed", rank=rank))
         for channel in self._channels.values():
             await channel.aclose(linger_s=0.5)
         self._channels.clear()
+        if self._closing:
+            await asyncio.wait(self._closing)
 
     async def __aenter__(self) -> Client:
         return self

@@ -269,9 +269,13 @@ def _worker_env(extra: Mapping[str, str] | None, threads: int) -> dict[str, str]
 
 
 async def _pump(stream: asyncio.StreamReader, tail: collections.deque[str]) -> None:
+    """Keep the last lines of a child's output; read in chunks, so no line is too long."""
+    rest = b""
     with contextlib.suppress(Exception):
-        while line := await stream.readline():
-            tail.append(line.decode(errors="replace").rstrip())
+        while chunk := await stream.read(1 << 16):
+            *lines, rest = (rest + chunk).split(b"\n")
+            tail.extend(line.decode(errors="replace")[:1000] for line in lines)
+            rest = rest[-4096:]
 
 
 async def _stop(processes: list[asyncio.subprocess.Process]) -> None:

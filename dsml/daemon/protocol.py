@@ -23,6 +23,7 @@ from ..transport import check_address
 from ..wire import Envelope, Fields, Kind
 
 __all__ = [
+    "MAX_JOB_FRAME",
     "MAX_OUTPUT_CHARS",
     "JobSpec",
     "apply_job_config",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 MAX_OUTPUT_CHARS = 16 * 1024  # text of one JOB_OUTPUT message
+MAX_JOB_FRAME = 1 << 30  # one frame of a job's arguments or result (a job socket's limit)
 _MAX_WORLD = 1 << 16
 
 

@@ -32,11 +32,18 @@ from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, ProtocolError
 from ..membership import open_registry
 from ..membership.registry import Registry
-from ..transport import Beacon, Channel, Endpoint, check_address
+from ..transport import Beacon, Channel, Endpoint, check_address, is_loopback
 from ..transport.addresses import advertised
 from ..wire import Envelope, Fields, Kind
 from ..wire.values import pack_value
-from .protocol import MAX_OUTPUT_CHARS, JobSpec, apply_job_config, decode_job, envelope
+from .protocol import (
+    MAX_JOB_FRAME,
+    MAX_OUTPUT_CHARS,
+    JobSpec,
+    apply_job_config,
+    decode_job,
+    envelope,
+)
 
 __all__ = ["WorkerConfig", "WorkerDaemon"]
 
@@ -74,6 +81,13 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         check_address(self.registry, "registry address")
         check_address(self.bind, "bind address")
+        if self.curve is None and not is_loopback(self.bind):
+            raise ConfigError(
+                f"refusing to serve on {self.bind} without CURVE: a worker runs the functions "
+                "clients send it, so anyone who can reach that address could run code as "
+                "this user. Create keys with `dsml keys generate DIR` and pass --curve-keys "
+                "DIR (WorkerConfig(curve=Curve.load(DIR))), or bind a loopback address."
+            )
         if self.heartbeat_interval <= 0:
             raise ConfigError("heartbeat_interval must be positive")
 
@@ -85,6 +99,8 @@ class _Job:
     frames: list[memoryview]
     task: asyncio.Task[None] | None = None
     cancelled: bool = False
+    reported: bool = False  # its JOB_RESULT was sent
+    client_gone: bool = False
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -113,7 +129,7 @@ class WorkerDaemon:
         self._endpoint = Endpoint.bind(
             self.config.bind,
             self._on_message,
-            max_frame_bytes=self.config.comm.max_frame_bytes,
+            max_frame_bytes=MAX_JOB_FRAME,
             name="worker",
             curve=self.config.curve,
         )
@@ -196,9 +212,17 @@ class WorkerDaemon:
             raise ProtocolError(f"a worker does not accept {env.kind.name}")
 
     def _on_submit(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
-        spec = JobSpec.from_wire(env.body)
-        if not payload:
-            raise ProtocolError("JobSubmit carries the pickled function as its first frame")
+        try:
+            spec = JobSpec.from_wire(env.body)
+            if not payload:
+                raise ProtocolError("JobSubmit carries the pickled function as its first frame")
+        except ProtocolError as exc:  # tell the client why, when it said which job this is
+            body = env.body if isinstance(env.body, dict) else {}
+            job_id, rank = body.get("job"), body.get("rank")
+            if isinstance(job_id, str) and len(job_id) <= 64 and type(rank) is int:
+                bad = _Job(JobSpec(job_id, rank, rank + 1, None), sender, [])
+                self._refuse(bad, f"malformed submission: {exc}")
+            raise
         job = _Job(spec, sender, payload)
         current = self._job
         if self._closing:
@@ -216,21 +240,32 @@ class WorkerDaemon:
         self._send(job, Kind.JOB_REFUSED, {"reason": reason})
 
     def _on_cancel(self, sender: bytes, job_id: str) -> None:
-        job = self._job
+        job, queued = self._job, self._next
         if job is not None and job.spec.job == job_id and job.client == sender:
-            if not job.cancelled and job.task is not None:
-                log.info("job %s cancelled by its client", job_id)
-                job.cancelled = True
-                job.task.cancel()
-        elif self._next is not None and self._next.spec.job == job_id:
+            self._cancel_job(job, "cancelled by its client")
+        elif queued is not None and queued.spec.job == job_id and queued.client == sender:
             self._next = None
+            self._send(queued, Kind.JOB_RESULT, _failure("CancelledError", "cancelled"))
+
+    def _cancel_job(self, job: _Job, why: str) -> None:
+        if not job.cancelled and job.task is not None:
+            log.info("job %s %s", job.spec.job, why)
+            job.cancelled = True
+            job.task.cancel()
 
     def _start(self, job: _Job) -> None:
         self._job = job
         self._idle.clear()
         job.task = asyncio.get_running_loop().create_task(self._run(job))
+        # Not in _run's `finally`: a task cancelled before its first step never runs it.
+        job.task.add_done_callback(lambda _: self._ended(job))
         if self._beacon is not None:
             self._beacon.beat_now()
+
+    def _ended(self, job: _Job) -> None:
+        if not job.reported:  # cancelled before it started
+            self._send(job, Kind.JOB_RESULT, _failure("CancelledError", "the job was cancelled"))
+        self._finish(job)
 
     def _finish(self, job: _Job) -> None:
         self._job = None
@@ -246,11 +281,21 @@ class WorkerDaemon:
     def _send(
         self, job: _Job, kind: Kind, body: dict[str, Any], frames: Sequence[Any] = ()
     ) -> None:
+        if kind is Kind.JOB_RESULT:
+            job.reported = True
+        if job.client_gone:
+            return
         body = {"job": job.spec.job, "rank": job.spec.rank} | body
-        if self._endpoint is None or not self._endpoint.send_nowait(
+        if self._endpoint is not None and self._endpoint.send_nowait(
             job.client, envelope(kind, body), frames
         ):
-            log.warning("could not send %s of job %s: the client is gone", kind.name, job.spec.job)
+            return
+        # Gone (or not reading): nobody waits for this job any more. No print here: while
+        # a job runs, sys.stderr is the job's output, which is what just failed.
+        job.client_gone = True
+        log.warning("the client of job %s is gone; cancelling the job", job.spec.job)
+        if job is self._job:
+            self._cancel_job(job, "lost its client")
 
     # -- running a job ----------------------------------------------------------------------
 
@@ -273,11 +318,11 @@ class WorkerDaemon:
                 with _forwarding(self, job):
                     result = await self._call(job, group, fn, args)
                 header, frames = pack_value(result)
+                _check_sizes(frames, MAX_JOB_FRAME)
             except asyncio.CancelledError:
-                self._send(
-                    job, Kind.JOB_RESULT, _failure("CancelledError", "the job was cancelled")
-                )
-            except Exception as exc:
+                why = "the worker is shutting down" if self._closing else "the job was cancelled"
+                self._send(job, Kind.JOB_RESULT, _failure("CancelledError", why))
+            except BaseException as exc:  # SystemExit and KeyboardInterrupt fail the job only
                 self._send(job, Kind.JOB_RESULT, _failure_of(exc))
             else:
                 self._send(job, Kind.JOB_RESULT, {"ok": True}, [header, *frames])
@@ -286,7 +331,6 @@ class WorkerDaemon:
                 task = asyncio.get_running_loop().create_task(_close_job_registry(registry))
                 self._closing_registries.add(task)
                 task.add_done_callback(self._closing_registries.discard)
-            self._finish(job)
 
     async def _call(self, job: _Job, group: str, fn: Any, args: tuple[Any, ...]) -> Any:
         comm_config = dataclasses.replace(
@@ -311,6 +355,15 @@ class WorkerDaemon:
         state = f"busy with {self._job.spec.job}" if self._job else "idle"
         address = self._endpoint.address if self._endpoint else "unbound"
         return f"<WorkerDaemon {self.name} {address} {state} jobs_done={self.jobs_done}>"
+
+
+def _check_sizes(frames: Sequence[Any], limit: int) -> None:
+    for frame in frames:
+        if memoryview(frame).nbytes > limit:
+            raise ValueError(
+                f"a result array of {memoryview(frame).nbytes:,} bytes is over the "
+                f"{limit:,}-byte limit of one job frame: return it in parts"
+            )
 
 
 def _failure(error_type: str, message: str, trace: str = "") -> dict[str, Any]:
@@ -379,7 +432,7 @@ class _Forward:
             text = "".join(self._pending)
             self._pending.clear()
             self._scheduled = False
-        if not text:
+        if not text or self._job.client_gone:
             return
         if threading.current_thread() is not self._loop_thread:  # wait for the loop's turn
             with self._lock:

@@ -27,6 +27,9 @@ __all__ = ["MAX_VALUE_HEADER_BYTES", "pack_value", "unpack_value"]
 MAX_VALUE_HEADER_BYTES = 16 << 20
 _MAX_FRAMES = 4096
 _MAX_DIMS = 64
+#: Extension types nest by calling msgpack again (a C stack frame of ~32 KB each): deeper
+#: values could overflow the C stack of whoever unpacks them.
+_MAX_EXT_DEPTH = 32
 _ARRAY, _TUPLE, _SCALAR, _COMPLEX = 1, 2, 3, 4
 _KINDS = frozenset("biufcV")  # V: ml_dtypes' bfloat16 and float8 types report kind "V"
 
@@ -48,9 +51,19 @@ def _dtype_name(dtype: np.dtype[Any]) -> str:
 class _Packer:
     def __init__(self) -> None:
         self.frames: list[memoryview] = []
+        self._depth = 0
 
     def pack(self, value: Any) -> bytes:
-        data: bytes = msgpack.packb(value, default=self._default, strict_types=True)
+        if self._depth >= _MAX_EXT_DEPTH:
+            raise TypeError(
+                f"the value nests tuples, arrays or numpy scalars more than {_MAX_EXT_DEPTH} "
+                "deep: flatten it"
+            )
+        self._depth += 1
+        try:
+            data: bytes = msgpack.packb(value, default=self._default, strict_types=True)
+        finally:
+            self._depth -= 1
         return data
 
     def _default(self, value: Any) -> Any:
@@ -102,14 +115,16 @@ class _Unpacker:
     def __init__(self, frames: Sequence[memoryview]) -> None:
         self.frames = frames
         self.used: set[int] = set()
+        self._depth = 0
 
     def unpack(self, data: bytes | memoryview) -> Any:
-        return msgpack.unpackb(
-            data,
-            ext_hook=self._ext,
-            strict_map_key=False,
-            use_list=True,
-        )
+        if self._depth >= _MAX_EXT_DEPTH:
+            raise ProtocolError(f"a value nested more than {_MAX_EXT_DEPTH} deep")
+        self._depth += 1
+        try:
+            return msgpack.unpackb(data, ext_hook=self._ext, strict_map_key=False, use_list=True)
+        finally:
+            self._depth -= 1
 
     def _ext(self, code: int, data: bytes) -> Any:
         if code == _ARRAY:
