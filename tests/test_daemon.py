@@ -301,7 +301,7 @@ async def test_closing_the_client_ends_a_run_in_progress():
         await eventually(lambda: bool(client._jobs), "the job started")
         started = time.monotonic()
         await client.aclose()
-        with pytest.raises(dsml.RemoteError, match="closed|cancelled"):
+        with pytest.raises(dsml.RemoteError, match=r"closed|cancelled"):
             await asyncio.wait_for(task, 10)
         assert time.monotonic() - started < 7
 

@@ -96,6 +96,7 @@ class _Job:
         self.results: list[asyncio.Future[Any]] = [loop.create_future() for _ in workers]
         self.submitted: set[int] = set()
         self.reported: set[int] = set()  # ranks that sent JobResult or JobRefused
+        self.cancelled = False  # JobCancel went out (once is enough)
         self.errors: list[RemoteError] = []  # in the order they arrived
         self.partial: dict[tuple[int, str], str] = {}  # an output line still being written
         self.config: dict[str, Any] = {}  # CommConfig settings for the job's communicator
@@ -319,6 +320,9 @@ class Client:
 
     async def _cancel(self, job: _Job) -> None:
         """Cancel the job where it still runs; wait a little for those ranks to report."""
+        if job.cancelled:
+            return
+        job.cancelled = True
         # Also the ranks already failed here (lost, no answer): they may still run it.
         running = [r for r in sorted(job.submitted) if r not in job.reported]
         for rank in running:

@@ -114,6 +114,7 @@ class WorkerDaemon:
         self.jobs_done = 0
         self.refused = 0
         self._endpoint: Endpoint | None = None
+        self._address = ""
         self._beacon: Beacon | None = None
         self._job: _Job | None = None
         self._next: _Job | None = None  # submitted while the previous job is cancelling
@@ -133,6 +134,7 @@ class WorkerDaemon:
             name="worker",
             curve=self.config.curve,
         )
+        self._address = advertised(self._endpoint.address)  # resolved once, not per hello
         self._beacon = Beacon(
             self.config.registry,
             f"worker-{self.id}".encode(),
@@ -145,8 +147,8 @@ class WorkerDaemon:
 
     @property
     def address(self) -> str:
-        assert self._endpoint is not None, "the daemon is not started"
-        return advertised(self._endpoint.address)
+        assert self._address, "the daemon is not started"
+        return self._address
 
     @property
     def busy(self) -> bool:
