@@ -236,7 +236,7 @@ DETECTION: dict[str, list[float]] = {}
 FAILING_CALLS = {  # which call of a survivor may fail (see the docstring below)
     "reduce_scatter": {KILL_AT},
     "all_gather": {KILL_AT, KILL_AT + 1},
-    "between": {KILL_AT + 1},
+    "between": {KILL_AT, KILL_AT + 1},
 }
 
 
@@ -266,7 +266,9 @@ def test_kill_9_of_a_worker_fails_every_survivor_quickly_then_the_survivors_go_o
     In the reduce-scatter every survivor's call #3 fails. In the all-gather the segments
     that passed the victim before it stopped still travel on, so a survivor downstream
     can finish call #3; its call #4 then fails instead (the rule: the call in flight fails,
-    or else the next one). Between calls, every survivor's call #4 fails.
+    or else the next one). Between calls, a survivor's call #4 fails, or its call #3 when
+    the victim's last all-gather chunk was still in the victim's ZeroMQ I/O thread as it
+    stopped (returned there, not yet delivered: seen about once in 50 runs on 2 busy cores).
     """
     with cluster(tmp_path) as run:
         run.start_registry()  # default heartbeats: every 1 s, timeout 10 s
