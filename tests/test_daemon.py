@@ -314,3 +314,15 @@ async def test_oversized_arguments_are_refused_before_anything_is_sent(monkeypat
     with pytest.raises(dsml.ConfigError, match="over the 1,024-byte limit"):
         await client.run(lambda comm, x: 0, np.zeros(1000))
     await client.aclose()
+
+
+async def test_a_daemon_killed_while_idle_is_not_picked_once_it_fell_silent():
+    async with dsml.LocalCluster(3) as cluster:
+        client = cluster.client()
+        os.kill(cluster.workers[2].pid, signal.SIGKILL)
+        await _listed(client, lambda ws: sum(w.silent for w in ws) == 1, "one silent worker")
+        started = time.monotonic()
+        assert await client.run(lambda comm: comm.world_size) == [2, 2]
+        assert time.monotonic() - started < client.connect_timeout
+        with pytest.raises(dsml.DsmlError, match="only 2 of the 2 listed"):
+            await client.run(lambda comm: 0, workers=3)

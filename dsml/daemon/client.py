@@ -67,6 +67,12 @@ class WorkerInfo:
     jobs_done: int
     heartbeat_age: float
     id: str
+    heartbeat_interval: float = 1.0
+
+    @property
+    def silent(self) -> bool:
+        """No hello for three intervals: probably dead (the registry drops it later)."""
+        return self.heartbeat_age > 3 * self.heartbeat_interval + 0.5
 
     @classmethod
     def from_status(cls, entry: dict[str, Any]) -> WorkerInfo:
@@ -81,6 +87,7 @@ class WorkerInfo:
             jobs_done=entry.get("jobs_done", 0),
             heartbeat_age=entry.get("heartbeat_age", 0.0),
             id=entry["id"],
+            heartbeat_interval=entry.get("heartbeat_interval", 1.0),
         )
 
 
@@ -170,6 +177,8 @@ class Client:
     def _choose(self, infos: list[WorkerInfo], wanted: int | None) -> list[WorkerInfo]:
         # A worker still listed busy with a job of ours that ended is idle by now (its next
         # hello says so), unless it was lost during that job.
+        silent = [w for w in infos if w.silent]
+        infos = [w for w in infos if not w.silent]
         idle = [
             w
             for w in infos
@@ -178,7 +187,8 @@ class Client:
         busy = len(infos) - len(idle)
         if not infos:
             raise DsmlError(
-                f"no workers are listed by the registry at {self.registry}: start some with "
+                f"no live workers are listed by the registry at {self.registry} "
+                f"({len(silent)} silent for several heartbeats): start some with "
                 f"`dsml worker --registry {self.registry}` (or use dsml.LocalCluster)"
             )
         if wanted is None:

@@ -199,6 +199,7 @@ class WorkerDaemon:
                 "state": "busy" if job is not None else "idle",
                 "job": job.spec.job if job is not None else "",
                 "jobs_done": self.jobs_done,
+                "interval": self.config.heartbeat_interval,
             },
         )
 

@@ -34,10 +34,12 @@ class WorkerRecord:
     state: str
     job: str
     jobs_done: int
+    interval: float  # seconds between its hellos
     last_seen: float
 
     @classmethod
-    def from_hello(cls, fields: Fields, now: float) -> WorkerRecord:
+    def from_hello(cls, body: Any, now: float) -> WorkerRecord:
+        fields = Fields(body, "WorkerHello")
         address = fields.get_str("address", 256)
         try:
             check_address(address, "worker address")
@@ -56,6 +58,7 @@ class WorkerRecord:
             state=state,
             job=fields.get_str("job", 64, optional=True) or "",
             jobs_done=fields.get_int("jobs_done"),
+            interval=fields.get_float("interval", 1e-3, 3600) if "interval" in body else 1.0,
             last_seen=now,
         )
 
@@ -70,6 +73,7 @@ class WorkerRecord:
             "state": self.state,
             "job": self.job,
             "jobs_done": self.jobs_done,
+            "heartbeat_interval": self.interval,
             "heartbeat_age": round(now - self.last_seen, 3),
         }
 
@@ -81,7 +85,7 @@ class WorkerPool:
         self._workers: dict[str, WorkerRecord] = {}
 
     def hello(self, body: Any) -> WorkerRecord:
-        record = WorkerRecord.from_hello(Fields(body, "WorkerHello"), time.monotonic())
+        record = WorkerRecord.from_hello(body, time.monotonic())
         if record.id not in self._workers and len(self._workers) >= _MAX_WORKERS:
             raise ProtocolError(f"the registry lists {_MAX_WORKERS} workers already")
         self._workers[record.id] = record
