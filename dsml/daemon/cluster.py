@@ -91,8 +91,8 @@ class LocalCluster:
         self._env = _worker_env(env, threads_per_worker)
         self._cwd = os.getcwd()
         self._state = "new"
-        self._pids: list[asyncio.subprocess.Process] = []
-        self._finalizer = weakref.finalize(self, _kill_all, self._pids)
+        self._processes: list[asyncio.subprocess.Process] = []  # every one started
+        self._finalizer = weakref.finalize(self, _kill_all, self._processes)
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -176,7 +176,7 @@ class LocalCluster:
             start_new_session=True,  # a terminal's Ctrl-C reaches this process only
             preexec_fn=die_with_parent,
         )
-        self._pids.append(process)
+        self._processes.append(process)
         return WorkerProcess(name, process.pid, process=process)
 
     async def _first_line(self, proc: WorkerProcess) -> str:

@@ -3,8 +3,8 @@
 A job submission carries the function and its arguments pickled with cloudpickle (protocol
 5): numpy arrays among the arguments are taken out of the pickle as raw frames, so they
 are neither copied into it nor pickled. This is the one place in dsml where received bytes
-are unpickled, and only a worker does it, for a client it accepted (see docs/security in
-docs/operations.md). Results travel the other way as plain values (`dsml.wire.values`):
+are unpickled, and only a worker does it, for a client it accepted (see "Security: CURVE"
+in docs/operations.md). Results travel the other way as plain values (`dsml.wire.values`):
 a client never unpickles what a worker sends.
 """
 

@@ -112,7 +112,6 @@ class WorkerDaemon:
         self.id = secrets.token_hex(8)
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
         self.jobs_done = 0
-        self.refused = 0
         self._endpoint: Endpoint | None = None
         self._address = ""
         self._beacon: Beacon | None = None
@@ -153,9 +152,6 @@ class WorkerDaemon:
     @property
     def busy(self) -> bool:
         return self._job is not None
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
 
     async def aclose(self) -> None:
         """Cancel a running job (the client hears so), deregister, close every socket."""
@@ -238,7 +234,6 @@ class WorkerDaemon:
             self._refuse(job, f"the worker is busy with job {current.spec.job}")
 
     def _refuse(self, job: _Job, reason: str) -> None:
-        self.refused += 1
         log.warning("refused job %s: %s", job.spec.job, reason)
         self._send(job, Kind.JOB_REFUSED, {"reason": reason})
 
