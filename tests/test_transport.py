@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -334,3 +336,40 @@ async def test_a_cancelled_mailbox_get_leaves_the_item_for_the_next_taker():
     box.put("g", "k", "a")
     assert box.first_items("g") == [("k", "a")]
     assert await box.get("g", "k") == "a"
+
+
+_EXIT_SCRIPT = """
+import atexit, asyncio, socket, sys
+import zmq.utils.garbage as zmq_gc
+# Registered before dsml is imported, so it runs after dsml's exit handler and just before
+# pyzmq's collector thread stops: what libzmq still holds here is what could crash the exit.
+atexit.register(lambda: print(f"at exit held={len(zmq_gc.gc.refs)}", flush=True))
+import numpy as np
+from dsml.transport import Channel
+from dsml.wire import Envelope, Fingerprint, Kind
+
+async def main():
+    with socket.socket() as s:  # a port nothing listens on: the frame stays queued
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ch = Channel.connect(f"tcp://127.0.0.1:{port}", b"x")
+    env = Envelope(Kind.CHUNK, 1, 0, 1, 0, 0, Fingerprint("all_reduce", "float32"))
+    await ch.send(env, [np.ones(1 << 18, dtype=np.float32)])
+    await ch.aclose(linger_s=0.5)
+    print(f"after close held={len(zmq_gc.gc.refs)}", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_no_buffer_sent_without_copying_is_still_held_when_pyzmq_stops_at_exit():
+    """libzmq aborts the process if it releases such a buffer while pyzmq's collector
+    shuts down (a CI run caught it); dsml's exit handler waits for the release first."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "after close held=1",  # the closed socket lingers with the frame queued
+        "at exit held=0",
+    ]
