@@ -326,3 +326,24 @@ async def test_a_daemon_killed_while_idle_is_not_picked_once_it_fell_silent():
         assert time.monotonic() - started < client.connect_timeout
         with pytest.raises(dsml.DsmlError, match="only 2 of the 2 listed"):
             await client.run(lambda comm: 0, workers=3)
+
+
+@pytest.mark.parametrize("victim", [0, 2], ids=["rank-0", "last-rank"])
+async def test_a_daemon_killed_while_idle_and_still_listed_is_skipped_at_once(victim):
+    """Chosen before it fell silent, its address refuses the connection: the job runs on
+    the others, without waiting for the connect timeout."""
+    async with dsml.LocalCluster(3) as cluster:
+        client = cluster.client()
+        dead = cluster.workers[victim]
+        assert dead.process is not None
+        os.kill(dead.pid, signal.SIGKILL)
+        await asyncio.wait_for(dead.process.wait(), 5)
+        listed = await client.workers()
+        assert [w.state for w in listed] == ["idle"] * 3  # still listed, not yet silent
+        started = time.monotonic()
+        ranks = await client.run(lambda comm: (comm.rank, comm.world_size, os.getpid()))
+        assert time.monotonic() - started < 3.0 < client.connect_timeout
+        assert sorted(r[:2] for r in ranks) == [(0, 2), (1, 2)]
+        assert dead.pid not in {r[2] for r in ranks}
+        with pytest.raises(dsml.DsmlError, match="only 2 of the 2 listed"):
+            await client.run(lambda comm: 0, workers=3)

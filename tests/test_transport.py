@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 from dsml import ConfigError
 from dsml.transport import DONE, Channel, Endpoint, Mailbox, check_address, live_sockets, wait_sent
 from dsml.wire import Envelope, Fingerprint, Kind, encode
+from tests.waiting import eventually
 
 LOOPBACK = "tcp://127.0.0.1:0"
 Arrival = tuple[bytes, Envelope, list[bytes]]
@@ -220,6 +222,45 @@ async def test_closing_gives_back_every_socket():
     await ep.aclose()
     assert live_sockets() == before
     assert "closed" in repr(ep)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_first_connection_refused_again_and_again_is_reported_once():
+    unreachable: list[float] = []
+    ch = Channel.connect(
+        f"tcp://127.0.0.1:{_free_port()}", b"u", on_unreachable=lambda: unreachable.append(1)
+    )
+    try:
+        await eventually(lambda: bool(unreachable), "on_unreachable", within=3)
+        await asyncio.sleep(0.5)  # libzmq goes on retrying; the report came once
+        assert unreachable == [1]
+    finally:
+        await ch.aclose()
+
+
+async def test_a_lost_connection_is_a_disconnect_not_unreachable():
+    lost: list[str] = []
+    ep = Endpoint.bind(LOOPBACK, Inbox(), max_frame_bytes=4096)
+    ch = Channel.connect(
+        ep.address,
+        b"d",
+        on_disconnect=lambda: lost.append("disconnect"),
+        on_unreachable=lambda: lost.append("unreachable"),
+    )
+    try:
+        await ch.send(chunk(0))
+        await eventually(lambda: ch._watch is not None and ch._watch.connected, "connected")
+        await ep.aclose()  # the peer goes away; reconnecting to its port now fails
+        await eventually(lambda: lost == ["disconnect"], "the disconnect")
+        await asyncio.sleep(0.5)
+        assert lost == ["disconnect"]
+    finally:
+        await ch.aclose()
 
 
 @pytest.mark.parametrize(

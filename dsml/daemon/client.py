@@ -7,6 +7,11 @@ with that address. What the workers print arrives while the job runs and is prin
 with the rank in front. The first failure (a remote exception, a refused job, a worker
 that disconnects) cancels the job on every other worker and raises; so does cancelling
 `run` itself. Either way the workers end up idle.
+
+A daemon that died while idle stays listed until the registry's heartbeat timeout. If one
+is chosen, its address refuses the connection; since no rank calls `fn` before every rank
+joined the job's group, nothing ran anywhere, so `run` chooses again without it (up to
+`_ATTEMPTS` times) instead of failing.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from .protocol import MAX_JOB_FRAME, JobSpec, encode_job, envelope, job_config
 __all__ = ["Client", "WorkerInfo"]
 
 _CANCEL_WAIT_S = 5.0  # after a failure or a cancel, time the other ranks get to report
+_ATTEMPTS = 3  # choices of workers per run, when chosen daemons turn out to be gone
+_UNREACHABLE = "Unreachable"  # error_type of a daemon that refused the connection
 #: Errors a rank raises because another rank failed first: not the root cause.
 _CONSEQUENCES = frozenset(
     {
@@ -162,6 +169,7 @@ class Client:
         self._jobs: dict[str, _Job] = {}
         self._finished: collections.deque[str] = collections.deque(maxlen=256)
         self._lost_ids: set[str] = set()
+        self._unreachable_ids: set[str] = set()  # listed, but their address refused us
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -177,8 +185,8 @@ class Client:
     def _choose(self, infos: list[WorkerInfo], wanted: int | None) -> list[WorkerInfo]:
         # A worker still listed busy with a job of ours that ended is idle by now (its next
         # hello says so), unless it was lost during that job.
-        silent = [w for w in infos if w.silent]
-        infos = [w for w in infos if not w.silent]
+        silent = [w for w in infos if w.silent or w.id in self._unreachable_ids]
+        infos = [w for w in infos if w not in silent]
         idle = [
             w
             for w in infos
@@ -188,7 +196,7 @@ class Client:
         if not infos:
             raise DsmlError(
                 f"no live workers are listed by the registry at {self.registry} "
-                f"({len(silent)} silent for several heartbeats): start some with "
+                f"({len(silent)} silent for several heartbeats or gone): start some with "
                 f"`dsml worker --registry {self.registry}` (or use dsml.LocalCluster)"
             )
         if wanted is None:
@@ -248,26 +256,41 @@ class Client:
                     f"{MAX_JOB_FRAME:,}-byte limit of one job frame: send it in parts, or "
                     "let the workers load it themselves"
                 )
-        chosen = self._choose(await self.workers(), workers)
+        label = getattr(fn, "__qualname__", repr(fn))
+        loop = asyncio.get_running_loop()
+        when = None if timeout is None else loop.time() + timeout
+        attempt = 1
+        while True:
+            try:
+                async with asyncio.timeout_at(when) as deadline:
+                    return await self._attempt(label, frames, workers, config)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                raise JobTimeoutError(
+                    f"job {label} did not finish within {timeout:g} s; it was cancelled "
+                    "on every worker"
+                ) from None
+            except WorkerLostError as exc:
+                if exc.error_type != _UNREACHABLE or attempt >= _ATTEMPTS:
+                    raise
+                attempt += 1  # nothing ran anywhere: choose again, without that daemon
+
+    async def _attempt(
+        self, label: str, frames: list[Any], wanted: int | None, config: CommConfig | None
+    ) -> list[Any]:
+        """Choose workers and run the job on them once."""
+        chosen = self._choose(await self.workers(), wanted)
         for worker in chosen:
             if worker.state == "busy":  # still on a job of ours that ended here (interrupted)
                 self._channel(worker.address).send_nowait(
                     envelope(Kind.JOB_CANCEL, {"job": worker.job})
                 )
-        job = _Job(secrets.token_hex(6), chosen, getattr(fn, "__qualname__", repr(fn)))
+        job = _Job(secrets.token_hex(6), chosen, label)
         job.config = job_config(config)
         self._jobs[job.id] = job
         try:
-            try:
-                async with asyncio.timeout(timeout) as deadline:
-                    return await self._drive(job, frames)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
-                raise JobTimeoutError(
-                    f"job {job.label} did not finish within {timeout:g} s on "
-                    f"{len(chosen)} workers; it was cancelled on every worker"
-                ) from None
+            return await self._drive(job, frames)
         except BaseException:
             await asyncio.shield(self._cancel(job))
             raise
@@ -363,6 +386,7 @@ class Client:
                 self.id.encode(),
                 handler=functools.partial(self._on_reply, address),
                 on_disconnect=functools.partial(self._lost, address),
+                on_unreachable=functools.partial(self._unreachable, address),
                 max_frame_bytes=MAX_JOB_FRAME,
                 **options,
             )
@@ -437,12 +461,34 @@ class Client:
             RemoteError(text, rank=rank, traceback=trace, error_type=error_type, worker=worker),
         )
 
-    def _lost(self, address: str) -> None:
+    def _drop_channel(self, address: str) -> None:
         channel = self._channels.pop(address, None)
         if channel is not None:  # a fresh connection for the next job, not this session
             task = asyncio.get_running_loop().create_task(channel.aclose(linger_s=0))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    def _unreachable(self, address: str) -> None:
+        """Nothing listens at `address` any more: the daemon there died while idle."""
+        self._drop_channel(address)
+        for job in list(self._jobs.values()):
+            for rank in job.rank_at(address):
+                worker = job.workers[rank]
+                self._unreachable_ids.add(worker.id)
+                job.fail(
+                    rank,
+                    WorkerLostError(
+                        f"worker {worker.name} (pid {worker.pid}) refuses connections at "
+                        f"{address}: its daemon is gone (the registry lists it until its "
+                        "heartbeats time out)",
+                        rank=rank,
+                        worker=worker.name,
+                        error_type=_UNREACHABLE,
+                    ),
+                )
+
+    def _lost(self, address: str) -> None:
+        self._drop_channel(address)
         for job in list(self._jobs.values()):
             for rank in job.rank_at(address):
                 if rank in job.submitted and not job.results[rank].done():

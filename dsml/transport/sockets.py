@@ -316,6 +316,7 @@ class Channel:
         on_disconnect: Callable[[], None] | None = None,
         curve: Curve | None = None,
         on_refused: Callable[[str], None] | None = None,
+        on_unreachable: Callable[[], None] | None = None,
     ) -> Channel:
         """Connect to address; with a handler, also read what the endpoint sends back.
 
@@ -324,6 +325,8 @@ class Channel:
         loop) when the server refuses the handshake: a key not allowlisted, or CURVE on at
         one end only. What is sent over a refused connection is never delivered; libzmq
         gives such a connection up, so `send` then raises ConfigError instead of waiting.
+        `on_unreachable()` is called (on the loop, once) when the first connection keeps
+        failing: nothing listens at `address` (libzmq goes on retrying).
         """
         check_address(address, "peer address")
         sock = new_socket(
@@ -339,10 +342,14 @@ class Channel:
         try:
             if curve is not None:
                 make_curve_client(sock, curve)
-            if on_disconnect is not None or on_refused is not None or curve is not None:
+            if on_disconnect or on_refused or on_unreachable or curve is not None:
                 # Watch before connecting: a refused handshake can be over within microseconds.
                 watch = DisconnectWatch(
-                    sock, on_disconnect, on_refused=on_refused, handshakes=curve is not None
+                    sock,
+                    on_disconnect,
+                    on_refused=on_refused,
+                    on_unreachable=on_unreachable,
+                    handshakes=curve is not None,
                 )
             sock.connect(address)
         except zmq.ZMQError as exc:

@@ -5,8 +5,9 @@ fills. The monitor of a DEALER socket reports `DISCONNECTED` the moment the TCP 
 drops (a killed process's kernel closes it at once), which is what turns a `kill -9` into a
 report within milliseconds instead of a heartbeat timeout. With CURVE, the monitor also
 reports handshakes the server refused, which would otherwise look like a peer that never
-answers. The monitor socket is read by an event-loop reader callback, like every other dsml
-socket.
+answers. And a first connection that keeps failing (nothing listens at that address: the
+process is gone) is reported after a few attempts, instead of messages queueing forever.
+The monitor socket is read by an event-loop reader callback, like every other dsml socket.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ log = logging.getLogger("dsml.transport")
 
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 _WATCHED = int(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)
+#: Failed attempts at a first connection before `on_unreachable` (libzmq retries every
+#: 100 ms or so; a refused loopback connection fails within microseconds).
+UNREACHABLE_AFTER = 2
 #: What each handshake failure means to the user (the monitor's words are libzmq's).
 _REFUSALS = {
     int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the server refused this key (not allowlisted)",
@@ -40,8 +45,9 @@ _HANDSHAKE = int(
 
 
 class DisconnectWatch:
-    """Calls `on_disconnect()` each time the watched socket loses its connection, and
-    `on_refused(reason)` when a handshake fails.
+    """Calls `on_disconnect()` each time the watched socket loses its connection,
+    `on_refused(reason)` when a handshake fails, and `on_unreachable()` once when the first
+    connection failed `UNREACHABLE_AFTER` times (refused or reset: nothing listens there).
 
     After a refused key or a mechanism mismatch libzmq gives the connection up for good
     (`refused` keeps the reason); a server that cannot answer the handshake (no ZAP
@@ -56,17 +62,22 @@ class DisconnectWatch:
         on_disconnect: Callable[[], None] | None = None,
         *,
         on_refused: Callable[[str], None] | None = None,
+        on_unreachable: Callable[[], None] | None = None,
         handshakes: bool = False,
     ) -> None:
         """Watch `sock`; handshakes too when `handshakes` or `on_refused` is given."""
         self.disconnects = 0
         self.refusals = 0
+        self.failed_connects = 0  # attempts at a first connection that failed
         self.connected = False
+        self.ever_connected = False
         self._sock = sock
         self._on_disconnect = on_disconnect
         self._on_refused = on_refused
+        self._on_unreachable = on_unreachable
         self.refused: str | None = None  # why the last handshake failed; None once one succeeds
         watched = _WATCHED | (_HANDSHAKE if handshakes or on_refused is not None else 0)
+        watched |= _RETRIED if on_unreachable is not None else 0
         self._monitor: zmq.Socket[bytes] = sock.get_monitor_socket(watched)
         self._loop = asyncio.get_running_loop()
         self._fd: int = self._monitor.get(_FD)  # type: ignore[assignment]
@@ -79,7 +90,13 @@ class DisconnectWatch:
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             kind = int(event["event"])
             if kind == zmq.EVENT_CONNECTED:
-                self.connected = True
+                self.connected = self.ever_connected = True
+            elif kind == _RETRIED:
+                # Also sent before reconnecting after a drop: only a first connection counts.
+                if not self.ever_connected:
+                    self.failed_connects += 1
+                    if self.failed_connects == UNREACHABLE_AFTER:
+                        self._call(self._on_unreachable)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.disconnects += 1
@@ -111,4 +128,7 @@ class DisconnectWatch:
 
     def __repr__(self) -> str:
         state = "connected" if self.connected else "not connected"
-        return f"<DisconnectWatch {state} disconnects={self.disconnects} refusals={self.refusals}>"
+        return (
+            f"<DisconnectWatch {state} disconnects={self.disconnects} "
+            f"refusals={self.refusals} failed_connects={self.failed_connects}>"
+        )
