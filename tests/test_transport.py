@@ -17,6 +17,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dsml import ConfigError
 from dsml.transport import DONE, Channel, Endpoint, Mailbox, check_address, live_sockets, wait_sent
+from dsml.transport.addresses import advertised
 from dsml.wire import Envelope, Fingerprint, Kind, encode
 from tests.waiting import eventually
 
@@ -414,3 +415,20 @@ def test_no_buffer_sent_without_copying_is_still_held_when_pyzmq_stops_at_exit()
         "after close held=1",  # the closed socket lingers with the frame queued
         "at exit held=0",
     ]
+
+
+def test_a_wildcard_bind_is_advertised_as_the_interface_toward_the_registry():
+    assert advertised("tcp://0.0.0.0:7000", toward="tcp://127.0.0.1:5555") == (
+        "tcp://127.0.0.1:7000"
+    )
+    assert advertised("tcp://*:7000", toward="tcp://localhost:5555") == "tcp://127.0.0.1:7000"
+    assert advertised("tcp://10.0.0.5:7000", toward="tcp://127.0.0.1:5555") == (
+        "tcp://10.0.0.5:7000"  # a concrete address is kept as it is
+    )
+    # toward another network (TEST-NET-1): whichever local interface routes there, a
+    # concrete IPv4 address in any case (nothing is sent)
+    host = advertised("tcp://0.0.0.0:7000", toward="tcp://192.0.2.1:5555")[6:].rsplit(":")[0]
+    socket.inet_aton(host)
+    assert host != "0.0.0.0"
+    # no usable registry address: what the host name resolves to
+    assert advertised("tcp://*:7000", toward="ipc:///tmp/r")[6:].endswith(":7000")

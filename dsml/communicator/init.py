@@ -83,7 +83,7 @@ async def _join(args: _JoinArgs) -> Communicator:
     loop = asyncio.get_running_loop()
     member_id = secrets.token_hex(8)
     mesh = Mesh(member_id, args.config)
-    address = advertised(mesh.bind())
+    address = advertised(mesh.bind(), toward=args.registry)
     member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
     registry = RegistryClient(args.registry, member, args.config)
     try:

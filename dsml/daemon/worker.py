@@ -133,7 +133,8 @@ class WorkerDaemon:
             name="worker",
             curve=self.config.curve,
         )
-        self._address = advertised(self._endpoint.address)  # resolved once, not per hello
+        # resolved once, not per hello
+        self._address = advertised(self._endpoint.address, toward=self.config.registry)
         self._beacon = Beacon(
             self.config.registry,
             f"worker-{self.id}".encode(),
@@ -310,7 +311,7 @@ class WorkerDaemon:
                             address=f"tcp://{self._host}:0", curve=self.config.curve
                         )
                     )
-                    group = advertised(registry.address)
+                    group = advertised(registry.address, toward=self.config.registry)
                 assert group is not None
                 self._send(job, Kind.JOB_ACCEPTED, {"group": group})
                 with _forwarding(self, job):
