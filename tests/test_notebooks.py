@@ -155,3 +155,82 @@ def test_fault_tolerance_notebook_survives_a_kill_and_a_join(monkeypatch):
     assert "killed worker pid" in text
     assert "all checks passed" in text
     assert figures(notebook) >= 1
+
+
+class Kernel:
+    """A python3 Jupyter kernel driven as a notebook front end drives it."""
+
+    def __init__(self) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.manager, self.client = start_new_kernel(
+            kernel_name="python3", extra_arguments=["--IPKernelApp.log_level=ERROR"]
+        )
+
+    def start(self, code: str) -> str:
+        return str(self.client.execute(code))
+
+    def finish(self, msg_id: str, within: float) -> tuple[str, str | None]:
+        """Wait for that cell to end: (its text output, the name of its error or None)."""
+        deadline = time.monotonic() + within
+        text, error = [], None
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the cell did not end within {within} s; output: {''.join(text)}"
+            try:
+                msg = self.client.get_iopub_msg(timeout=left)
+            except Exception:  # queue.Empty: checked by the assert above
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                text.append(content["text"])
+            elif kind == "execute_result":
+                text.append(content["data"].get("text/plain", ""))
+            elif kind == "error":
+                error = content["ename"]
+            elif kind == "status" and content["execution_state"] == "idle":
+                return "".join(text), error
+
+    def run(self, code: str, within: float = 30) -> str:
+        text, error = self.finish(self.start(code), within)
+        assert error is None, f"{error} in:\n{code}\n{text}"
+        return text
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+def test_interrupting_a_notebook_cell_cancels_the_job_and_leaves_the_workers_idle(monkeypatch):
+    """ipykernel cannot interrupt a cell awaiting a coroutine (its issue 881); dsml's own
+    SIGINT handler cancels the waiting client.run, and the job with it."""
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv(MARKER, marker)
+    kernel = Kernel()
+    try:
+        kernel.run("import asyncio, dsml\ncluster = await dsml.LocalCluster(2)")
+        forever = kernel.start(
+            "async def forever(comm):\n"
+            "    while True:\n"
+            "        await comm.barrier()\n"
+            "        await asyncio.sleep(0.01)\n"
+            "client = cluster.client()\n"
+            "await client.run(forever)\n"
+        )
+        time.sleep(1.0)  # the job runs on both workers
+        interrupted = time.monotonic()
+        kernel.manager.interrupt_kernel()
+        _, error = kernel.finish(forever, within=15)
+        took = time.monotonic() - interrupted
+        print(f"\nthe interrupted cell ended {took:.2f} s after the interrupt")
+        assert error == "CancelledError"
+        assert kernel.run("print(sorted(w.state for w in await client.workers()))") == (
+            "['idle', 'idle']\n"
+        )
+        assert kernel.run("print(await client.run(lambda comm: comm.world_size))") == "[2, 2]\n"
+        kernel.run("await cluster.aclose()")
+    finally:
+        kernel.close()
+    assert leftover_processes(marker) == []

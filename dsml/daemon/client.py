@@ -41,6 +41,7 @@ from ..membership import query_status
 from ..transport import Channel, check_address
 from ..wire import Envelope, Fields, Kind
 from ..wire.values import unpack_value
+from .interrupt import interrupt_cancels
 from .protocol import MAX_JOB_FRAME, JobSpec, encode_job, envelope, job_config
 
 __all__ = ["Client", "WorkerInfo"]
@@ -260,21 +261,22 @@ class Client:
         loop = asyncio.get_running_loop()
         when = None if timeout is None else loop.time() + timeout
         attempt = 1
-        while True:
-            try:
-                async with asyncio.timeout_at(when) as deadline:
-                    return await self._attempt(label, frames, workers, config)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
-                raise JobTimeoutError(
-                    f"job {label} did not finish within {timeout:g} s; it was cancelled "
-                    "on every worker"
-                ) from None
-            except WorkerLostError as exc:
-                if exc.error_type != _UNREACHABLE or attempt >= _ATTEMPTS:
-                    raise
-                attempt += 1  # nothing ran anywhere: choose again, without that daemon
+        with interrupt_cancels(asyncio.current_task()):  # Ctrl-C, or a notebook's interrupt
+            while True:
+                try:
+                    async with asyncio.timeout_at(when) as deadline:
+                        return await self._attempt(label, frames, workers, config)
+                except TimeoutError:
+                    if not deadline.expired():
+                        raise
+                    raise JobTimeoutError(
+                        f"job {label} did not finish within {timeout:g} s; it was cancelled "
+                        "on every worker"
+                    ) from None
+                except WorkerLostError as exc:
+                    if exc.error_type != _UNREACHABLE or attempt >= _ATTEMPTS:
+                        raise
+                    attempt += 1  # nothing ran anywhere: choose again, without that daemon
 
     async def _attempt(
         self, label: str, frames: list[Any], wanted: int | None, config: CommConfig | None
