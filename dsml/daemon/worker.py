@@ -102,6 +102,7 @@ class _Job:
     reported: bool = False  # its JOB_RESULT was sent
     client_gone: bool = False
     started: float = dataclasses.field(default_factory=time.monotonic)
+    failure: BaseException | None = None  # what fn raised, kept while the job cleans up
 
 
 class WorkerDaemon:
@@ -319,8 +320,13 @@ class WorkerDaemon:
                 header, frames = pack_value(result)
                 _check_sizes(frames, MAX_JOB_FRAME)
             except asyncio.CancelledError:
-                why = "the worker is shutting down" if self._closing else "the job was cancelled"
-                self._send(job, Kind.JOB_RESULT, _failure("CancelledError", why))
+                if job.failure is not None:  # fn had failed; the cancel cut its cleanup short
+                    self._send(job, Kind.JOB_RESULT, _failure_of(job.failure))
+                else:
+                    why = (
+                        "the worker is shutting down" if self._closing else "the job was cancelled"
+                    )
+                    self._send(job, Kind.JOB_RESULT, _failure("CancelledError", why))
             except BaseException as exc:  # SystemExit and KeyboardInterrupt fail the job only
                 self._send(job, Kind.JOB_RESULT, _failure_of(exc))
             else:
@@ -345,9 +351,17 @@ class WorkerDaemon:
             device=self.config.device,
             config=comm_config,
         ) as comm:
-            result = fn(comm, *args)
-            if inspect.isawaitable(result):
-                result = await result
+            try:
+                result = fn(comm, *args)
+                if inspect.isawaitable(result):
+                    result = await result
+            except BaseException as exc:
+                # Leaving the group (telling the peers) takes a moment, in which the client,
+                # told of the failure by a peer, may cancel this job: report `exc` anyway,
+                # the root cause, not the cancellation of its cleanup.
+                if not isinstance(exc, asyncio.CancelledError):
+                    job.failure = exc
+                raise
             return result
 
     def __repr__(self) -> str:
