@@ -1,0 +1,346 @@
+"""The shared-memory link between the members of one host in one epoch (transport layer).
+
+Every local rank owns two segments: a small *control* segment of counters that only it
+writes (one word per peer excepted, see `MAPPED`), and a *data* segment that grows on
+demand (a new segment, a new generation, when a call needs more room). Peers map both
+and read them directly; algorithms reduce straight out of a peer's data segment.
+
+Synchronisation is by counters, no messages. A rank's `PROGRESS` word holds
+`cid * 256 + phase`: it has reached `phase` of collective `cid` (phase 255: it gave that
+call up). `sync` posts the next phase and waits until every peer has posted it. Waiting
+spins briefly (yielding the CPU between looks, so an oversubscribed host still moves),
+then goes back to the event loop between looks, then sleeps in short steps; while it is
+in the loop, the mesh can fail the call (a peer lost over TCP, an abort), which cancels
+the wait. Nothing about this path involves the event loop when peers are prompt.
+
+The first sync of a call also carries the call's *entry record*: its collective id, the
+caller's fingerprint (its wire bytes) and whether the caller found room for the data.
+Every rank compares every peer's record with its own, so ranks that called different
+collectives fail with `CollectiveMismatchError` as they would over TCP. Records live in
+two slots by cid parity: a peer can be at most one call ahead.
+
+Segment names are unlinked as soon as every peer has mapped them (a peer writes the
+generation it mapped into its own control segment), so a crash leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
+from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
+
+__all__ = ["FAILED", "LinkPeer", "ShmLink"]
+
+HEADER_BYTES = 4096
+INLINE_BYTES = 64 << 10  # two inline areas (by cid parity) for small calls, after the header
+CONTROL_BYTES = HEADER_BYTES + 2 * INLINE_BYTES
+MAGIC = 0x6473_6D6C_7368_6D31  # "dsmlshm1"
+FAILED = 255
+_PHASES = 256
+# control words (int64)
+W_MAGIC, W_PROGRESS, W_LAST_OK, W_GEN, W_DATA_BYTES = 0, 1, 2, 3, 4
+RECORD_BYTES = 512  # two entry records by cid parity, at byte 128 and 640
+RECORD_AT = (128, 640)
+FP_MAX = RECORD_BYTES - 24
+MAPPED = 1280 // 8  # word index: MAPPED + j = generation of rank j's data this rank mapped
+MAX_LOCAL = (HEADER_BYTES - 1280) // 8
+MIN_DATA_BYTES = 256 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class LinkPeer:
+    """A member of the host's group: its rank in the link, member id and process id."""
+
+    member: str
+    pid: int
+    rank: int  # its rank in the whole group (for error messages)
+
+
+class ShmLink:
+    """One local rank's end of the link; see the module docstring."""
+
+    def __init__(
+        self,
+        me: int,
+        peers: Sequence[LinkPeer],
+        epoch: int,
+        *,
+        max_data_bytes: int,
+        spin_s: float = 200e-6,
+    ) -> None:
+        assert len(peers) <= MAX_LOCAL
+        self.me = me
+        self.peers = list(peers)
+        self.size = len(peers)
+        self.epoch = epoch
+        self.max_data_bytes = max_data_bytes
+        self._spin_s = 0.0 if all(p.pid == os.getpid() for p in peers) else spin_s
+        self._control: list[Segment | None] = [None] * self.size
+        self._words: list[Any] = [None] * self.size
+        self._inline: list[Any] = [None] * self.size
+        self._data: list[Segment | None] = [None] * self.size
+        self._areas: list[Any] = [None] * self.size
+        self._gens = [0] * self.size  # generation of each rank's data mapped here
+        self._unlinked_gen = 0  # own data generations up to this are unlinked
+        self.closed = False
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _name(self, rank: int, kind: str) -> str:
+        peer = self.peers[rank]
+        return segment_name(peer.pid, peer.member, self.epoch, kind)
+
+    def create(self) -> None:
+        """Make this rank's control segment (after removing orphans of dead processes)."""
+        sweep_orphans()
+        seg = Segment.create(self._name(self.me, "c"), CONTROL_BYTES)
+        words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
+        words[MAPPED : MAPPED + MAX_LOCAL] = -1
+        words[W_MAGIC] = MAGIC
+        self._control[self.me], self._words[self.me] = seg, words
+        self._inline[self.me] = np.frombuffer(seg.map, np.uint8)[HEADER_BYTES:]
+
+    async def wait_connected(self) -> None:
+        """Map every peer's control segment (they may still be starting)."""
+        delay = 1e-4
+        while True:
+            for rank in range(self.size):
+                if self._control[rank] is None:
+                    self._map_control(rank)
+            if all(c is not None for c in self._control):
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+
+    def _map_control(self, rank: int) -> None:
+        seg = Segment.open(self._name(rank, "c"))
+        if seg is None or seg.size < CONTROL_BYTES:
+            return
+        words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
+        if words[W_MAGIC] != MAGIC:
+            del words
+            seg.close()
+            return
+        self._control[rank], self._words[rank] = seg, words
+        self._inline[rank] = np.frombuffer(seg.map, np.uint8)[HEADER_BYTES:]
+        self._words[self.me][MAPPED + rank] = 0
+
+    @property
+    def connected(self) -> bool:
+        return all(c is not None for c in self._control)
+
+    # -- data areas -------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make this rank's data area at least `nbytes`; False when /dev/shm has no room
+        (or it exceeds `max_data_bytes`). Peers see a new area from the next sync on."""
+        own = self._data[self.me]
+        if own is not None and own.size >= nbytes:
+            return True
+        if nbytes > self.max_data_bytes:
+            return False
+        size = max(nbytes, MIN_DATA_BYTES, 2 * own.size if own is not None else 0)
+        for attempt in (min(size, self.max_data_bytes), nbytes):
+            gen = self._gens[self.me] + 1
+            try:
+                seg = Segment.create(self._name(self.me, f"d{gen}"), attempt)
+            except ShmFullError:
+                continue
+            self._install(self.me, seg, gen)
+            words = self._words[self.me]
+            words[W_DATA_BYTES] = seg.size
+            words[W_GEN] = gen  # peers map it after this rank's next post
+            return True
+        return False
+
+    def area(self, rank: int) -> Any:
+        """Rank's data area as uint8 (mapped as of this rank's last completed sync)."""
+        return self._areas[rank]
+
+    def inline(self, rank: int, cid: int) -> Any:
+        """Rank's inline area for call `cid` (INLINE_BYTES as uint8, in its control segment).
+
+        Two areas alternate by cid parity, so a call with a single sync can write its
+        input before that sync while slower peers still read the previous call's.
+        """
+        start = HEADER_BYTES + (cid % 2) * INLINE_BYTES
+        return self._inline[rank][start - HEADER_BYTES : start - HEADER_BYTES + INLINE_BYTES]
+
+    def _install(self, rank: int, seg: Segment, gen: int) -> None:
+        old = self._data[rank]
+        self._data[rank], self._areas[rank], self._gens[rank] = seg, np.frombuffer(seg.map, np.uint8), gen
+        if old is not None:
+            old.close()
+
+    def _refresh(self) -> None:
+        """Map peers' new data generations; unlink own names every peer has mapped."""
+        mine = self._words[self.me]
+        for rank in range(self.size):
+            if rank == self.me:
+                continue
+            gen = int(self._words[rank][W_GEN])
+            if gen != self._gens[rank]:
+                seg = Segment.open(self._name(rank, f"d{gen}"))
+                if seg is None:
+                    raise ProtocolError(
+                        f"rank {self.peers[rank].rank}'s shared-memory segment {gen} vanished"
+                    )
+                self._install(rank, seg, gen)
+                mine[MAPPED + rank] = gen
+        self._unlink_mapped()
+
+    def _unlink_mapped(self) -> None:
+        me = self.me
+        seen = min((int(self._words[r][MAPPED + me]) for r in range(self.size) if r != me), default=0)
+        control = self._control[me]
+        if seen >= 0 and control is not None and control.linked:
+            control.unlink()
+        own = self._data[me]
+        if own is not None and own.linked and seen >= self._gens[me]:
+            own.unlink()
+
+    # -- synchronisation --------------------------------------------------------------------
+
+    async def sync(self, cid: int, phase: int, record: bytes | None = None, ok: bool = True) -> bool:
+        """Post (cid, phase) and wait for every peer to post it; True when all were ok.
+
+        With `record` (the caller's fingerprint bytes) this is the call's first sync: the
+        entry records are written and compared (CollectiveMismatchError on a conflict).
+        """
+        assert 0 < phase < FAILED
+        mine = self._words[self.me]
+        if record is not None:
+            self._write_record(cid, record, ok)
+        mine[W_PROGRESS] = cid * _PHASES + phase
+        await self._wait(lambda rank: self._reached(rank, cid, phase))
+        self._refresh()
+        if record is None:
+            return True
+        return self._check_records(cid, record)
+
+    def complete(self, cid: int) -> None:
+        """This rank finished call `cid` successfully."""
+        self._words[self.me][W_LAST_OK] = cid
+
+    def abandon(self, cid: int) -> None:
+        """This rank gave call `cid` up: peers waiting on it stop waiting."""
+        if self._words[self.me] is not None:
+            self._words[self.me][W_PROGRESS] = cid * _PHASES + FAILED
+
+    def _reached(self, rank: int, cid: int, phase: int) -> bool:
+        words = self._words[rank]
+        progress = int(words[W_PROGRESS])
+        at, step = divmod(progress, _PHASES)
+        if at < cid:
+            return False
+        if at == cid and step != FAILED:
+            return step >= phase
+        if at > cid and int(words[W_LAST_OK]) >= cid:
+            return True  # it finished this call and went on
+        raise CollectiveAbortedError(
+            f"rank {self.peers[rank].rank} gave up collective #{cid} (its own error says why)",
+            origin=self.peers[rank].rank,
+            rank=self.peers[self.me].rank,
+            epoch=self.epoch,
+            cid=cid,
+        )
+
+    async def _wait(self, ready: Callable[[int], bool]) -> None:
+        pending = [r for r in range(self.size) if r != self.me]
+        start = time.perf_counter()
+        spins = 0
+        while True:
+            pending = [r for r in pending if not ready(r)]
+            if not pending:
+                return
+            waited = time.perf_counter() - start
+            if waited < self._spin_s:
+                os.sched_yield()
+            elif waited < 2e-3 or spins % 8:
+                spins += 1
+                await asyncio.sleep(0)  # lets the mesh fail the call
+            else:
+                spins += 1
+                await asyncio.sleep(2e-4 if waited < 0.05 else 1e-3)
+
+    def _write_record(self, cid: int, record: bytes, ok: bool) -> None:
+        if len(record) > FP_MAX:
+            record = b"#" + hashlib.blake2b(record, digest_size=32).digest()
+        at = RECORD_AT[cid % 2]
+        raw = np.frombuffer(self._control[self.me].map, np.uint8)  # type: ignore[union-attr]
+        head = raw[at : at + 24].view(np.int64)
+        head[0], head[1], head[2] = cid, int(ok), len(record)
+        raw[at + 24 : at + 24 + len(record)] = np.frombuffer(record, np.uint8)
+
+    def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes]:
+        at = RECORD_AT[cid % 2]
+        raw = np.frombuffer(self._control[rank].map, np.uint8)  # type: ignore[union-attr]
+        head = raw[at : at + 24].view(np.int64)
+        length = min(int(head[2]), FP_MAX + 1)
+        return int(head[0]), bool(head[1]), raw[at + 24 : at + 24 + length].tobytes()
+
+    def _check_records(self, cid: int, record: bytes) -> bool:
+        all_ok = bool(self._read_record(self.me, cid)[1])
+        for rank in range(self.size):
+            if rank == self.me:
+                continue
+            their_cid, ok, theirs = self._read_record(rank, cid)
+            if their_cid != cid:
+                raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
+            if theirs != record:
+                self._mismatch(rank, cid, record, theirs)
+            all_ok = all_ok and ok
+        return all_ok
+
+    def _mismatch(self, rank: int, cid: int, mine: bytes, theirs: bytes) -> None:
+        decode = self.decode_record
+        if decode is not None:
+            conflict = decode(mine, theirs)
+            if conflict is None:
+                return  # byte-different but compatible (fields unknown to one side)
+        else:
+            conflict = "a different collective or different arguments"
+        me, peer = self.peers[self.me].rank, self.peers[rank].rank
+        raise CollectiveMismatchError(
+            f"collective #{cid}: rank {me} and rank {peer} disagree: {conflict}; every rank "
+            "must call the same collectives in the same order with the same dtype, shape, "
+            "op, root and algorithm",
+            ranks=(me, peer),
+            rank=me,
+            epoch=self.epoch,
+            cid=cid,
+        )
+
+    #: (mine, theirs) -> None if compatible, else a description (set by the user of the link)
+    decode_record: Callable[[bytes, bytes], str | None] | None = None
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap everything and remove this rank's names."""
+        if self.closed:
+            return
+        self.closed = True
+        self._words = [None] * self.size
+        self._inline = [None] * self.size
+        self._areas = [None] * self.size
+        for seg in [*self._control, *self._data]:
+            if seg is not None:
+                seg.close()
+        self._control = [None] * self.size
+        self._data = [None] * self.size
+
+    def __repr__(self) -> str:
+        return (
+            f"<ShmLink rank {self.me}/{self.size} epoch={self.epoch} "
+            f"connected={self.connected} data_gen={self._gens[self.me]}>"
+        )
