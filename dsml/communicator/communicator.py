@@ -25,6 +25,7 @@ from .p2p import PointToPoint
 from .placement import Placement
 from .plans import Plan, Planner, loose_fingerprint
 from .runner import Runner
+from .shm_hook import ShmHook
 from .views import ViewKeeper, ViewListener
 
 __all__ = ["Communicator"]
@@ -50,7 +51,11 @@ class Communicator:
         self._keeper = ViewKeeper(mesh, registry, config.view_timeout)
         self._runner = Runner(mesh, self._keeper, config, loop)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
-        self._planner = Planner(config.chunk_bytes, self._placement)
+        self._shm = ShmHook(config, mesh.member_id)  # same-host shared memory
+        if mesh.view is not None:
+            self._shm.set_view(mesh.view)
+        self._keeper.listeners.append(lambda _old, new: self._shm.set_view(new))
+        self._planner = Planner(config.chunk_bytes, self._placement, self._shm)
         self._p2p = PointToPoint(mesh, self._placement)
         self._keeper.listeners.append(lambda _old, _new: self._p2p.reset())
         self._link = EngineLink(
@@ -374,6 +379,7 @@ class Communicator:
         reason = f"{type(error).__name__}: {error}" if error is not None else None
         last = self._mesh.next_cid - 1
         await self._mesh.aclose(reason)  # peers hear why first: the goodbye carries it
+        self._shm.close()
         try:
             if not self._keeper.evicted:
                 await self._registry.leave(last)
@@ -389,6 +395,7 @@ class Communicator:
         await self._mesh.crash()
         await self._registry.aclose(linger_s=0.0)
         await self._runner.cancel_all()
+        self._shm.close()
         await self._link.aclose(cancel=True)
 
     async def __aenter__(self) -> Communicator:

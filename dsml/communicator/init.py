@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..membership import Member, RegistryClient
 from ..transport import check_address
 from ..transport.addresses import advertised
+from ..transport.shm_segment import host_identity
 from .communicator import Communicator
 from .mesh import Mesh
 
@@ -76,6 +77,9 @@ def _resolve(
     if bind and config.bind == CommConfig().bind:
         config = dataclasses.replace(config, bind=bind)
     name = name if name is not None else env.get("DSML_NAME", "")
+    shm = env.get("DSML_SHM", "").strip().lower()
+    if shm in ("0", "false", "no", "off") and config.shm:
+        config = dataclasses.replace(config, shm=False)
     return _JoinArgs(registry, size, rank, name, config, spec, local_rank)
 
 
@@ -84,7 +88,8 @@ async def _join(args: _JoinArgs) -> Communicator:
     member_id = secrets.token_hex(8)
     mesh = Mesh(member_id, args.config)
     address = advertised(mesh.bind(), toward=args.registry)
-    member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
+    host_id = host_identity() if args.config.shm else ""  # empty: no shared memory with us
+    member = Member(member_id, address, args.name, socket.gethostname(), os.getpid(), host_id)
     registry = RegistryClient(args.registry, member, args.config)
     try:
         registry.open()

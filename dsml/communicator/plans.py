@@ -42,8 +42,11 @@ from .call import Call
 
 if TYPE_CHECKING:
     from .placement import Placement
+    from .shm_hook import ShmHook
 
 __all__ = ["Plan", "Planner", "loose_fingerprint"]
+
+SHM_ALGORITHMS = ("shm", "hierarchical")
 
 Array = Any
 
@@ -92,10 +95,13 @@ def _rows_view(x: Array) -> Array:
 class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
-    def __init__(self, chunk_bytes: int, placement: Placement) -> None:
+    def __init__(
+        self, chunk_bytes: int, placement: Placement, shm: ShmHook | None = None
+    ) -> None:
         self._pools: dict[str, BufferPool] = {}
         self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
         self._placement = placement
+        self._shm = shm  # the same-host shared-memory plane (shm_hook.py)
 
     def pool(self, be: ArrayBackend) -> BufferPool:
         if be.name not in self._pools:
@@ -146,8 +152,13 @@ class Planner:
         x, be, dtype = self._array(x, writable=True)
         reduce_op = check_op(op, dtype)
         algo = check_algorithm(algorithm)
+        # Shared memory when the whole group is on this host (the same answer on every
+        # rank: it depends on the view only); "shm" asked for elsewhere runs the ring.
+        in_shm = (
+            self._shm is not None and algo in ("auto", *SHM_ALGORITHMS) and self._shm.usable(be)
+        )
         if algo == "auto":
-            algo = choose_all_reduce(x.nbytes, size)
+            algo = "shm" if in_shm else choose_all_reduce(x.nbytes, size)
         fp = Fingerprint(
             "all_reduce",
             dtype,
@@ -163,9 +174,16 @@ class Planner:
             if call.size == 1:
                 return x
             src, copy = self._flat_input(be, x)
+            if in_shm and self._shm is not None:
+                if await self._shm.all_reduce(call, src, src, reduce_op):
+                    if copy is not None:
+                        be.copy_out(copy, x)
+                    self._release(be, copy)
+                    return x  # else no room in /dev/shm: the ring, over TCP
             work = self.pool(be).acquire(x.size, src.dtype)
             dst = src if copy is None else work  # x itself when contiguous: no final copy
-            pending = await ALL_REDUCE[algo](call, be, src, work, dst, reduce_op)
+            tcp = "ring" if algo in SHM_ALGORITHMS else algo
+            pending = await ALL_REDUCE[tcp](call, be, src, work, dst, reduce_op)
             if dst is work:
                 be.copy_out(work, x)
             self.pool(be).release(work, pending)
@@ -349,8 +367,12 @@ class Planner:
         return Plan(fp, body)
 
     def barrier(self) -> Plan:
+        in_shm = self._shm is not None and self._shm.usable(NUMPY)
+
         async def body(call: Call) -> None:
-            if call.size > 1:
+            if call.size > 1 and in_shm and self._shm is not None:
+                await self._shm.barrier(call)
+            elif call.size > 1:
                 await barrier_dissemination(call)
 
         return Plan(Fingerprint("barrier"), body)

@@ -26,8 +26,10 @@ generation it mapped into its own control segment), so a crash leaves no file be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,13 +49,20 @@ MAGIC = 0x6473_6D6C_7368_6D31  # "dsmlshm1"
 FAILED = 255
 _PHASES = 256
 # control words (int64)
-W_MAGIC, W_PROGRESS, W_LAST_OK, W_GEN, W_DATA_BYTES = 0, 1, 2, 3, 4
+W_MAGIC, W_PROGRESS, W_LAST_OK, W_GEN, W_DATA_BYTES, W_SLEEPING = 0, 1, 2, 3, 4, 5
 RECORD_BYTES = 512  # two entry records by cid parity, at byte 128 and 640
 RECORD_AT = (128, 640)
-FP_MAX = RECORD_BYTES - 24
+FP_MAX = RECORD_BYTES - 32
 MAPPED = 1280 // 8  # word index: MAPPED + j = generation of rank j's data this rank mapped
 MAX_LOCAL = (HEADER_BYTES - 1280) // 8
 MIN_DATA_BYTES = 256 << 10
+BACKSTOP_S = 2e-3  # longest sleep without a look at the peers' counters
+GIVE_UP_GRACE_S = 0.25  # after a peer gave a call up: time for its abort to arrive
+
+
+class _GaveUp(Exception):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +72,63 @@ class LinkPeer:
     member: str
     pid: int
     rank: int  # its rank in the whole group (for error messages)
+
+
+class Waker:
+    """A datagram socket in Linux's abstract namespace that wakes this rank's loop.
+
+    Abstract names need no file and vanish with the process, so nothing can leak. A
+    peer sends one byte after posting, only when this rank's `SLEEPING` word says it
+    stopped spinning; `wait` returns on that byte or after `backstop_s` (a lost wake-up,
+    possible when both sides look at the same moment, costs at most that).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = b"\0" + name.encode()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._sock.bind(self.name)
+        self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._out.setblocking(False)
+        self._event: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Start listening on the running loop."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._event = asyncio.Event()
+            self._loop.add_reader(self._sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while True:
+                self._sock.recv(64)
+        assert self._event is not None
+        self._event.set()
+
+    def arm(self) -> None:
+        """Forget earlier wake-ups (call before announcing that this rank sleeps)."""
+        assert self._event is not None
+        self._event.clear()
+
+    async def wait(self, backstop_s: float) -> None:
+        assert self._event is not None and self._loop is not None
+        timer = self._loop.call_later(backstop_s, self._event.set)
+        try:
+            await self._event.wait()
+        finally:
+            timer.cancel()
+
+    def wake(self, name: bytes) -> None:
+        with contextlib.suppress(OSError):  # full, or the peer is gone: it will look anyway
+            self._out.sendto(b"w", name)
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        self._out.close()
 
 
 class ShmLink:
@@ -90,7 +156,7 @@ class ShmLink:
         self._data: list[Segment | None] = [None] * self.size
         self._areas: list[Any] = [None] * self.size
         self._gens = [0] * self.size  # generation of each rank's data mapped here
-        self._unlinked_gen = 0  # own data generations up to this are unlinked
+        self._waker: Waker | None = None
         self.closed = False
 
     # -- setup ------------------------------------------------------------------------------
@@ -108,9 +174,13 @@ class ShmLink:
         words[W_MAGIC] = MAGIC
         self._control[self.me], self._words[self.me] = seg, words
         self._inline[self.me] = np.frombuffer(seg.map, np.uint8)[HEADER_BYTES:]
+        self._waker = Waker(self._name(self.me, "w"))
+        self._wake_names = [b"\0" + self._name(r, "w").encode() for r in range(self.size)]
 
     async def wait_connected(self) -> None:
         """Map every peer's control segment (they may still be starting)."""
+        assert self._waker is not None
+        self._waker.start()
         delay = 1e-4
         while True:
             for rank in range(self.size):
@@ -158,7 +228,7 @@ class ShmLink:
             self._install(self.me, seg, gen)
             words = self._words[self.me]
             words[W_DATA_BYTES] = seg.size
-            words[W_GEN] = gen  # peers map it after this rank's next post
+            words[W_GEN] = gen  # for diagnosis: peers take the generation from entry records
             return True
         return False
 
@@ -181,13 +251,14 @@ class ShmLink:
         if old is not None:
             old.close()
 
-    def _refresh(self) -> None:
-        """Map peers' new data generations; unlink own names every peer has mapped."""
+    def _map_data(self, cid: int) -> None:
+        """Map the data generation each peer uses in call `cid` (from its entry record:
+        a faster peer may already have grown its area for the next call)."""
         mine = self._words[self.me]
         for rank in range(self.size):
             if rank == self.me:
                 continue
-            gen = int(self._words[rank][W_GEN])
+            gen = self._read_record(rank, cid)[3]
             if gen != self._gens[rank]:
                 seg = Segment.open(self._name(rank, f"d{gen}"))
                 if seg is None:
@@ -221,11 +292,31 @@ class ShmLink:
         if record is not None:
             self._write_record(cid, record, ok)
         mine[W_PROGRESS] = cid * _PHASES + phase
-        await self._wait(lambda rank: self._reached(rank, cid, phase))
-        self._refresh()
+        self._wake_sleepers()
+        try:
+            await self._wait(lambda rank: self._reached(rank, cid, phase))
+        except _GaveUp as gave_up:
+            await self._peer_gave_up(gave_up.rank, cid, record)
         if record is None:
+            self._unlink_mapped()
             return True
-        return self._check_records(cid, record)
+        all_ok = self._check_records(cid, record)
+        self._map_data(cid)
+        return all_ok
+
+    async def _peer_gave_up(self, rank: int, cid: int, record: bytes | None) -> None:
+        """A peer failed this call: raise its reason if we can tell it, else wait briefly
+        for its abort over TCP (which fails this call with the real reason)."""
+        if record is not None:
+            self._check_records(cid, record, present_only=True)  # a mismatch, seen here too
+        await asyncio.sleep(GIVE_UP_GRACE_S)
+        raise CollectiveAbortedError(
+            f"rank {self.peers[rank].rank} gave up collective #{cid} (its own error says why)",
+            origin=self.peers[rank].rank,
+            rank=self.peers[self.me].rank,
+            epoch=self.epoch,
+            cid=cid,
+        )
 
     def complete(self, cid: int) -> None:
         """This rank finished call `cid` successfully."""
@@ -235,6 +326,14 @@ class ShmLink:
         """This rank gave call `cid` up: peers waiting on it stop waiting."""
         if self._words[self.me] is not None:
             self._words[self.me][W_PROGRESS] = cid * _PHASES + FAILED
+            self._wake_sleepers()
+
+    def _wake_sleepers(self) -> None:
+        assert self._waker is not None
+        for rank in range(self.size):
+            words = self._words[rank]
+            if rank != self.me and words is not None and words[W_SLEEPING]:
+                self._waker.wake(self._wake_names[rank])
 
     def _reached(self, rank: int, cid: int, phase: int) -> bool:
         words = self._words[rank]
@@ -246,54 +345,58 @@ class ShmLink:
             return step >= phase
         if at > cid and int(words[W_LAST_OK]) >= cid:
             return True  # it finished this call and went on
-        raise CollectiveAbortedError(
-            f"rank {self.peers[rank].rank} gave up collective #{cid} (its own error says why)",
-            origin=self.peers[rank].rank,
-            rank=self.peers[self.me].rank,
-            epoch=self.epoch,
-            cid=cid,
-        )
+        raise _GaveUp(rank)
 
     async def _wait(self, ready: Callable[[int], bool]) -> None:
+        """Spin (yielding the CPU) for up to spin_s, then sleep until a peer wakes us."""
         pending = [r for r in range(self.size) if r != self.me]
-        start = time.perf_counter()
-        spins = 0
+        deadline = time.perf_counter() + self._spin_s
         while True:
             pending = [r for r in pending if not ready(r)]
             if not pending:
                 return
-            waited = time.perf_counter() - start
-            if waited < self._spin_s:
-                os.sched_yield()
-            elif waited < 2e-3 or spins % 8:
-                spins += 1
-                await asyncio.sleep(0)  # lets the mesh fail the call
-            else:
-                spins += 1
-                await asyncio.sleep(2e-4 if waited < 0.05 else 1e-3)
+            if time.perf_counter() > deadline:
+                break
+            os.sched_yield()
+        assert self._waker is not None
+        mine = self._words[self.me]
+        try:
+            while True:
+                self._waker.arm()
+                mine[W_SLEEPING] = 1
+                pending = [r for r in pending if not ready(r)]
+                if not pending:
+                    return
+                await self._waker.wait(BACKSTOP_S)  # the mesh may fail the call meanwhile
+        finally:
+            mine[W_SLEEPING] = 0
 
     def _write_record(self, cid: int, record: bytes, ok: bool) -> None:
         if len(record) > FP_MAX:
             record = b"#" + hashlib.blake2b(record, digest_size=32).digest()
         at = RECORD_AT[cid % 2]
         raw = np.frombuffer(self._control[self.me].map, np.uint8)  # type: ignore[union-attr]
-        head = raw[at : at + 24].view(np.int64)
-        head[0], head[1], head[2] = cid, int(ok), len(record)
-        raw[at + 24 : at + 24 + len(record)] = np.frombuffer(record, np.uint8)
+        head = raw[at : at + 32].view(np.int64)
+        head[0], head[1], head[2], head[3] = cid, int(ok), len(record), self._gens[self.me]
+        raw[at + 32 : at + 32 + len(record)] = np.frombuffer(record, np.uint8)
 
-    def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes]:
+    def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int]:
+        """(cid, ok, fingerprint bytes, data generation) of rank's entry record."""
         at = RECORD_AT[cid % 2]
         raw = np.frombuffer(self._control[rank].map, np.uint8)  # type: ignore[union-attr]
-        head = raw[at : at + 24].view(np.int64)
+        head = raw[at : at + 32].view(np.int64)
         length = min(int(head[2]), FP_MAX + 1)
-        return int(head[0]), bool(head[1]), raw[at + 24 : at + 24 + length].tobytes()
+        fp = raw[at + 32 : at + 32 + length].tobytes()
+        return int(head[0]), bool(head[1]), fp, int(head[3])
 
-    def _check_records(self, cid: int, record: bytes) -> bool:
+    def _check_records(self, cid: int, record: bytes, *, present_only: bool = False) -> bool:
         all_ok = bool(self._read_record(self.me, cid)[1])
         for rank in range(self.size):
             if rank == self.me:
                 continue
-            their_cid, ok, theirs = self._read_record(rank, cid)
+            their_cid, ok, theirs, _gen = self._read_record(rank, cid)
+            if their_cid != cid and present_only:
+                continue
             if their_cid != cid:
                 raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
             if theirs != record:
@@ -338,6 +441,8 @@ class ShmLink:
                 seg.close()
         self._control = [None] * self.size
         self._data = [None] * self.size
+        if self._waker is not None:
+            self._waker.close()
 
     def __repr__(self) -> str:
         return (

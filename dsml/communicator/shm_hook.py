@@ -1,0 +1,103 @@
+"""The communicator's one hook into the same-host shared-memory plane (communicator).
+
+`ShmHook` follows the views (which members share this host), and runs the shared-memory
+algorithms for a `Call`: the call's fingerprint travels as its entry record, so ranks
+that called different collectives fail with `CollectiveMismatchError` as over TCP; a
+failure marks the call given up in shared memory (peers stop waiting at once) and is
+reported to the peers over TCP by the runner, as for any other algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgpack
+
+from ..collectives import NUMPY, ArrayBackend, ReduceOp
+from ..collectives.all_reduce_shm import all_reduce_shm
+from ..collectives.shm_plane import HostMember, SameHost, ShmCall
+from ..config import CommConfig
+from ..errors import CollectiveAbortedError, ProtocolError
+from ..membership import View
+from ..transport.shm_segment import ShmFullError
+from ..wire import Fingerprint
+from .call import Call
+
+__all__ = ["ShmHook"]
+
+T = TypeVar("T")
+Array = Any
+
+
+class ShmHook:
+    """See the module docstring."""
+
+    def __init__(self, config: CommConfig, member_id: str) -> None:
+        self._member_id = member_id
+        self._stage_bytes = config.shm_stage_bytes
+        self.plane = SameHost(
+            enabled=config.shm,
+            stage_bytes=config.shm_stage_bytes,
+            max_data_bytes=config.shm_max_bytes,
+        )
+        self.plane.decode_record = _conflict
+
+    def set_view(self, view: View) -> None:
+        """Follow a new view (at a collective boundary)."""
+        rank = view.rank_of(self._member_id)
+        assert rank is not None
+        members = [HostMember(m.id, m.host, m.host_id, m.pid) for m in view.members]
+        self.plane.set_view(view.epoch, members, rank)
+
+    def usable(self, be: ArrayBackend) -> bool:
+        """Whether a call on arrays of this backend runs in shared memory here (the answer
+        depends only on the view and the array type, so every rank gives the same)."""
+        return be is NUMPY and self.plane.all_local
+
+    async def all_reduce(self, call: Call, src: Array, dst: Array, op: ReduceOp) -> bool:
+        """dst = all-reduce of src in shared memory; False (nothing written) for want of room."""
+
+        def algorithm(group: ShmCall) -> Awaitable[bool]:
+            return all_reduce_shm(group, src, dst, op, self._stage_bytes)
+
+        done = await self._run(call, algorithm)
+        if not done:
+            self.plane.warn_no_room(src.nbytes)
+        return done
+
+    async def barrier(self, call: Call) -> None:
+        await self._run(call, lambda group: group.sync())
+
+    async def _run(self, call: Call, algorithm: Callable[[ShmCall], Awaitable[T]]) -> T:
+        record = msgpack.packb(call.fingerprint.to_wire())
+        try:
+            return await self.plane.run(call.cid, record, algorithm)
+        except ShmFullError as exc:
+            raise CollectiveAbortedError(
+                f"rank {call.rank} found no room in /dev/shm for its shared-memory link "
+                f"({exc}); free /dev/shm, enlarge it, or set DSML_SHM=0",
+                origin=call.rank,
+                rank=call.rank,
+                epoch=call.epoch,
+                cid=call.cid,
+            ) from None
+
+    def close(self) -> None:
+        self.plane.close()
+
+    def __repr__(self) -> str:
+        return f"<ShmHook {self.plane!r}>"
+
+
+def _conflict(mine: bytes, theirs: bytes) -> str | None:
+    """What differs between two fingerprints' wire bytes (None: compatible)."""
+    try:
+        ours = Fingerprint.from_wire(msgpack.unpackb(mine))
+        other = Fingerprint.from_wire(msgpack.unpackb(theirs))
+    except (ProtocolError, ValueError, msgpack.UnpackException):
+        return "fingerprints that cannot be compared"
+    fields = ours.conflicts(other)
+    if not fields:
+        return None
+    return f"this rank called {ours.describe()}, the other {other.describe()} ({', '.join(fields)})"
