@@ -145,7 +145,7 @@ def test_all_reduce_shm_between_processes_is_exact_small_large_and_in_pieces(
             p.join(10)
             if p.is_alive():
                 p.kill()
-    for rank, cid, done, raw in got:
+    for _rank, cid, done, raw in got:
         n, dtype, op = cases[cid - 1]
         inputs = [(np.arange(n) % 13 + r + 1).astype(dtype) for r in range(world)]
         expected = {
@@ -225,7 +225,9 @@ async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: 
         # non-contiguous input, algorithm named explicitly
         base = [np.arange(40, dtype=np.float64).reshape(8, 5) * (r + 1) for r in range(world)]
         views = [b[:, 1:4] for b in base]
-        await asyncio.gather(*(c.all_reduce(v, algorithm="shm") for c, v in zip(comms, views)))
+        await asyncio.gather(
+            *(c.all_reduce(v, algorithm="shm") for c, v in zip(comms, views, strict=True))
+        )
         total = sum(range(1, world + 1))
         for b in base:
             np.testing.assert_array_equal(b[:, 1:4], np.arange(40.0).reshape(8, 5)[:, 1:4] * total)
@@ -236,12 +238,13 @@ async def test_ranks_calling_different_shapes_fail_with_a_mismatch_on_every_rank
     async with open_local_cluster(3) as comms:
         xs = [np.ones(10 + (r == 2), np.float32) for r in range(3)]
         results = await asyncio.gather(
-            *(c.all_reduce(x, algorithm="shm") for c, x in zip(comms, xs)), return_exceptions=True
+            *(c.all_reduce(x, algorithm="shm") for c, x in zip(comms, xs, strict=True)),
+            return_exceptions=True,
         )
         assert all(isinstance(r, dsml.CollectiveMismatchError) for r in results), results
         assert all((x == 1).all() for x in xs)  # inputs intact
         ys = [np.full(4, r, np.int64) for r in range(3)]  # the next call is fine
-        await asyncio.gather(*(c.all_reduce(y) for c, y in zip(comms, ys)))
+        await asyncio.gather(*(c.all_reduce(y) for c, y in zip(comms, ys, strict=True)))
         assert all((y == 3).all() for y in ys)
 
 
@@ -253,7 +256,7 @@ async def test_without_room_in_dev_shm_large_arrays_go_over_tcp_with_one_warning
         with caplog.at_level(logging.WARNING, logger="dsml.shm"):
             for _ in range(2):
                 xs = [np.full(1 << 18, r + 1, np.int32) for r in range(2)]  # 1 MiB
-                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
                 assert all((x == 3).all() for x in xs)
         warnings = [r for r in caplog.records if "/dev/shm" in r.getMessage()]
         assert len(warnings) == 2  # one per communicator, not one per call
@@ -266,7 +269,7 @@ async def test_dsml_shm_0_keeps_every_collective_on_tcp(monkeypatch: pytest.Monk
         assert comms[0].view.members[0].host_id == ""
         assert not comms[0]._shm.plane.all_local
         xs = [np.full(5, r + 1, np.int32) for r in range(2)]
-        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
         assert all((x == 3).all() for x in xs)
 
 

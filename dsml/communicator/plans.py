@@ -95,9 +95,7 @@ def _rows_view(x: Array) -> Array:
 class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
-    def __init__(
-        self, chunk_bytes: int, placement: Placement, shm: ShmHook | None = None
-    ) -> None:
+    def __init__(self, chunk_bytes: int, placement: Placement, shm: ShmHook | None = None) -> None:
         self._pools: dict[str, BufferPool] = {}
         self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
         self._placement = placement
@@ -174,12 +172,15 @@ class Planner:
             if call.size == 1:
                 return x
             src, copy = self._flat_input(be, x)
-            if in_shm and self._shm is not None:
-                if await self._shm.all_reduce(call, src, src, reduce_op):
-                    if copy is not None:
-                        be.copy_out(copy, x)
-                    self._release(be, copy)
-                    return x  # else no room in /dev/shm: the ring, over TCP
+            if (
+                in_shm
+                and self._shm is not None
+                and await self._shm.all_reduce(call, src, src, reduce_op)
+            ):
+                if copy is not None:
+                    be.copy_out(copy, x)
+                self._release(be, copy)
+                return x  # (False: no room in /dev/shm on some rank; the ring, over TCP)
             work = self.pool(be).acquire(x.size, src.dtype)
             dst = src if copy is None else work  # x itself when contiguous: no final copy
             tcp = "ring" if algo in SHM_ALGORITHMS else algo

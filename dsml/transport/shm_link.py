@@ -113,7 +113,8 @@ class Waker:
         self._event.clear()
 
     async def wait(self, backstop_s: float) -> None:
-        assert self._event is not None and self._loop is not None
+        assert self._event is not None
+        assert self._loop is not None
         timer = self._loop.call_later(backstop_s, self._event.set)
         try:
             await self._event.wait()
@@ -247,7 +248,11 @@ class ShmLink:
 
     def _install(self, rank: int, seg: Segment, gen: int) -> None:
         old = self._data[rank]
-        self._data[rank], self._areas[rank], self._gens[rank] = seg, np.frombuffer(seg.map, np.uint8), gen
+        self._data[rank], self._areas[rank], self._gens[rank] = (
+            seg,
+            np.frombuffer(seg.map, np.uint8),
+            gen,
+        )
         if old is not None:
             old.close()
 
@@ -271,7 +276,9 @@ class ShmLink:
 
     def _unlink_mapped(self) -> None:
         me = self.me
-        seen = min((int(self._words[r][MAPPED + me]) for r in range(self.size) if r != me), default=0)
+        seen = min(
+            (int(self._words[r][MAPPED + me]) for r in range(self.size) if r != me), default=0
+        )
         control = self._control[me]
         if seen >= 0 and control is not None and control.linked:
             control.unlink()
@@ -281,7 +288,9 @@ class ShmLink:
 
     # -- synchronisation --------------------------------------------------------------------
 
-    async def sync(self, cid: int, phase: int, record: bytes | None = None, ok: bool = True) -> bool:
+    async def sync(
+        self, cid: int, phase: int, record: bytes | None = None, ok: bool = True
+    ) -> bool:
         """Post (cid, phase) and wait for every peer to post it; True when all were ok.
 
         With `record` (the caller's fingerprint bytes) this is the call's first sync: the

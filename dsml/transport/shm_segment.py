@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "SHM_DIR",
     "PREFIX",
+    "SHM_DIR",
     "Segment",
     "ShmFullError",
     "host_identity",
@@ -109,7 +109,9 @@ class Segment:
             except OSError as exc:
                 os.unlink(path)
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    raise ShmFullError(exc.errno, f"no room in {SHM_DIR} for {size} bytes") from None
+                    raise ShmFullError(
+                        exc.errno, f"no room in {SHM_DIR} for {size} bytes"
+                    ) from None
                 raise
             return cls(name, size, mmap.mmap(fd, size), owned=True)
         finally:
@@ -140,10 +142,8 @@ class Segment:
     def close(self) -> None:
         """Remove the name if it is ours, and unmap (views into it must be gone)."""
         self.unlink()
-        try:
+        with contextlib.suppress(BufferError):  # a view is alive: unmapped with the last one
             self.map.close()
-        except BufferError:
-            pass  # a numpy view is still alive; the mapping goes with the last view
 
     def __repr__(self) -> str:
         state = "linked" if self.linked else "unlinked"
@@ -164,7 +164,7 @@ def _owner_alive(pid: int) -> bool:
 
 def sweep_orphans() -> list[str]:
     """Remove dsml segments whose creator is dead (or from another boot); returns names."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
