@@ -277,3 +277,29 @@ def test_dsml_shm_config_is_validated() -> None:
     with pytest.raises(dsml.ConfigError):
         dsml.CommConfig(shm_stage_bytes=10)
     assert dataclasses.replace(dsml.CommConfig(), shm=False).shm is False
+
+
+@pytest.mark.parametrize("n", [5, 300_001])  # inline; several pieces of a 64 KiB stage
+async def test_broadcast_all_gather_and_reduce_scatter_in_shared_memory_are_exact(n: int) -> None:
+    world = 3
+    config = dsml.CommConfig(shm_stage_bytes=64 << 10)
+    async with open_local_cluster(world, config=config) as comms:
+        xs = [np.full(n, r + 1, np.int32) for r in range(world)]
+        xs[1][:] = np.arange(n) % 1000
+        await asyncio.gather(*(c.broadcast(x, root=1) for c, x in zip(comms, xs, strict=True)))
+        for x in xs:
+            np.testing.assert_array_equal(x, np.arange(n) % 1000)
+
+        blocks = [np.full((n // 10 + r, 3), r, np.int64) for r in range(world)]  # rows differ
+        gathered = await asyncio.gather(
+            *(c.all_gather(b) for c, b in zip(comms, blocks, strict=True))
+        )
+        for g in gathered:
+            np.testing.assert_array_equal(g, np.concatenate(blocks))
+
+        ys = [(np.arange(n) % 7 + r).astype(np.int64) for r in range(world)]
+        parts = await asyncio.gather(*(c.reduce_scatter(y) for c, y in zip(comms, ys, strict=True)))
+        total = np.sum(ys, axis=0)
+        for r, part in enumerate(parts):
+            np.testing.assert_array_equal(part, np.array_split(total, world)[r])
+        assert all((y == np.arange(n) % 7 + r).all() for r, y in enumerate(ys))  # inputs kept

@@ -34,7 +34,7 @@ from .chunking import split_spans
 from .ops import ReduceOp
 from .shm_group import ShmGroup, halves
 
-__all__ = ["all_reduce_shm", "reduce_into"]
+__all__ = ["all_reduce_shm", "reduce_into", "reduce_slices", "results"]
 
 _UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.SUM: np.add,
@@ -68,11 +68,25 @@ async def _small(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
 
 
 async def _large(group: ShmGroup, src: Array, dst: Array, op: ReduceOp, stage_bytes: int) -> bool:
+    spans = split_spans(len(src), group.size)
+    if not await reduce_slices(group, src, spans, op, stage_bytes):
+        return False
+    # Phase 3: every slice is final in its owner's results: copy them all out.
+    for j, (lo, hi) in enumerate(spans):
+        if hi > lo:
+            dst[lo:hi] = results(group, j, src.dtype, hi - lo)
+    return True
+
+
+async def reduce_slices(
+    group: ShmGroup, src: Array, spans: list[tuple[int, int]], op: ReduceOp, stage_bytes: int
+) -> bool:
+    """Reduce span r of everyone's src into rank r's results area (see the module doc);
+    False when some rank had no room. The results stay there until the next call."""
     size, rank, dtype, itemsize = group.size, group.rank, src.dtype, src.dtype.itemsize
-    spans = split_spans(len(src), size)
     longest = max(hi - lo for lo, hi in spans)
     slot = max(1, min(longest, stage_bytes // (size * itemsize)))  # elements per slice and piece
-    pieces = -(-longest // slot)
+    pieces = max(1, -(-longest // slot))
     room = group.reserve(2 * max(size * slot, longest) * itemsize)
     lo_r, hi_r = spans[rank]
     for p in range(pieces):
@@ -92,16 +106,17 @@ async def _large(group: ShmGroup, src: Array, dst: Array, op: ReduceOp, stage_by
                 src[a:b] if j == rank else _staged(group, j, dtype, rank * slot, b - a)
                 for j in range(size)
             ]
-            out = halves(group.area(rank))[1].view(dtype)[a - lo_r : b - lo_r]
+            out = results(group, rank, dtype, hi_r - lo_r)[a - lo_r : b - lo_r]
             reduce_into(out, inputs, op, 0, b - a)
             if op is ReduceOp.AVG:
                 np.divide(out, size, out=out, casting="unsafe")
         await group.sync()
-    # Phase 3: every slice is final in its owner's results: copy them all out.
-    for j, (lo, hi) in enumerate(spans):
-        if hi > lo:
-            dst[lo:hi] = halves(group.area(j))[1].view(dtype)[: hi - lo]
     return True
+
+
+def results(group: ShmGroup, rank: int, dtype: Any, count: int) -> Array:
+    """The first `count` elements of a rank's results area."""
+    return halves(group.area(rank))[1].view(dtype)[:count]
 
 
 def _staged(group: ShmGroup, rank: int, dtype: Any, start: int, count: int) -> Array:

@@ -234,17 +234,20 @@ class Planner:
         root = self._root(root, size)
         x, be, dtype = self._array(x, writable=rank != root)
         fp = Fingerprint("broadcast", dtype, x.size, x.shape, None, root, chunk_bytes=self._chunk)
+        shm = self._shm if self._shm is not None and self._shm.usable(be) else None
 
         async def body(call: Call) -> Array:
             if call.size == 1:
                 return x
             if call.rank == root:
                 src, copy = self._flat_input(be, x)
-                await broadcast_tree(call, be, src, root)
+                if shm is None or not await shm.broadcast(call, src, root):
+                    await broadcast_tree(call, be, src, root)
                 self._release(be, copy)
                 return x
             buf = self.pool(be).acquire(x.size, x.dtype.newbyteorder("="))
-            await broadcast_tree(call, be, buf, root)
+            if shm is None or not await shm.broadcast(call, buf, root):
+                await broadcast_tree(call, be, buf, root)
             be.copy_out(buf, x)
             self._release(be, buf)
             return x
@@ -261,6 +264,7 @@ class Planner:
         fp = Fingerprint(
             "reduce_scatter", dtype, x.size, rows_x.shape, reduce_op.value, chunk_bytes=self._chunk
         )
+        shm = self._shm if self._shm is not None and self._shm.usable(be) else None
 
         async def body(call: Call) -> Array:
             rows, trailing = rows_x.shape[0], rows_x.shape[1:]
@@ -268,6 +272,12 @@ class Planner:
             row_spans = split_spans(rows, call.size)
             spans = [(lo * row_elems, hi * row_elems) for lo, hi in row_spans]
             src, copy = self._flat_input(be, rows_x)
+            if shm is not None and call.size > 1:
+                mine = await shm.reduce_scatter(call, src, spans, reduce_op)
+                if mine is not None:
+                    self._release(be, copy)
+                    lo, hi = row_spans[call.rank]
+                    return mine.reshape(hi - lo, *trailing)
             out = self.pool(be).acquire(rows_x.size, src.dtype)
             if call.size == 1:
                 be.copy(out, 0, len(out), src)
@@ -294,10 +304,16 @@ class Planner:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint("all_gather", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)
+        shm = self._shm if self._shm is not None and self._shm.usable(be) else None
 
         async def body(call: Call) -> Array:
             block, copy = self._flat_input(be, rows_x)
-            result = await all_gather_direct(call, be, block, rows_x.shape[0], rows_x.shape[1:])
+            rows, trailing = rows_x.shape[0], rows_x.shape[1:]
+            result = None
+            if shm is not None and call.size > 1:
+                result = await shm.all_gather(call, block, rows, trailing)
+            if result is None:
+                result = await all_gather_direct(call, be, block, rows, trailing)
             self._release(be, copy)
             return result
 

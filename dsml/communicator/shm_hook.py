@@ -16,6 +16,7 @@ import msgpack
 
 from ..collectives import NUMPY, ArrayBackend, ReduceOp
 from ..collectives.all_reduce_shm import all_reduce_shm
+from ..collectives.collectives_shm import all_gather_shm, broadcast_shm, reduce_scatter_shm
 from ..collectives.shm_plane import HostMember, SameHost, ShmCall
 from ..config import CommConfig
 from ..errors import CollectiveAbortedError, ProtocolError
@@ -68,6 +69,35 @@ class ShmHook:
 
     async def barrier(self, call: Call) -> None:
         await self._run(call, lambda group: group.sync())
+
+    async def broadcast(self, call: Call, buf: Array, root: int) -> bool:
+        """The root's buf into every rank's buf; False (nothing written) for want of room."""
+        done = await self._run(
+            call, lambda group: broadcast_shm(group, buf, root, self._stage_bytes)
+        )
+        if not done:
+            self.plane.warn_no_room(buf.nbytes)
+        return done
+
+    async def all_gather(
+        self, call: Call, block: Array, rows: int, trailing: tuple[int, ...]
+    ) -> Array | None:
+        """Every rank's block concatenated (a new array); None for want of room."""
+        result = await self._run(call, lambda group: all_gather_shm(group, block, rows, trailing))
+        if result is None:
+            self.plane.warn_no_room(block.nbytes)
+        return result
+
+    async def reduce_scatter(
+        self, call: Call, src: Array, spans: list[tuple[int, int]], op: ReduceOp
+    ) -> Array | None:
+        """This rank's reduced span of src (a new flat array); None for want of room."""
+        result = await self._run(
+            call, lambda group: reduce_scatter_shm(group, src, spans, op, self._stage_bytes)
+        )
+        if result is None:
+            self.plane.warn_no_room(src.nbytes)
+        return result
 
     async def _run(self, call: Call, algorithm: Callable[[ShmCall], Awaitable[T]]) -> T:
         record = msgpack.packb(call.fingerprint.to_wire())
