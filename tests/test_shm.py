@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -303,3 +304,30 @@ async def test_broadcast_all_gather_and_reduce_scatter_in_shared_memory_are_exac
         for r, part in enumerate(parts):
             np.testing.assert_array_equal(part, np.array_split(total, world)[r])
         assert all((y == np.arange(n) % 7 + r).all() for r, y in enumerate(ys))  # inputs kept
+
+
+@pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 1), (2, 3)])
+async def test_hierarchical_all_reduce_over_hosts_is_exact(
+    monkeypatch: pytest.MonkeyPatch, hosts: int, per_host: int
+) -> None:
+    """Members join in rank order; the first `per_host` say they run on one machine, the
+    next on another, ... (host identities faked; their segments all live in this /dev/shm)."""
+    init_module = importlib.import_module("dsml.communicator.init")  # the module, not init()
+    identities = iter(f"fake{os.getpid()}:{r // per_host}" for r in range(hosts * per_host))
+    monkeypatch.setattr(init_module, "host_identity", lambda: next(identities))
+    world = hosts * per_host
+    async with open_local_cluster(world) as comms:
+        assert not comms[0]._shm.plane.all_local
+        for n, op in [(10, "sum"), (100_003, "max"), (50_000, "avg")]:
+            dtype = np.float64 if op == "avg" else np.int64
+            xs = [(np.arange(n) % 11 + r).astype(dtype) for r in range(world)]
+            expected = {"sum": np.sum, "max": np.max, "avg": np.mean}[op](xs, axis=0)
+            await asyncio.gather(
+                *(
+                    c.all_reduce(x, op, algorithm="hierarchical")
+                    for c, x in zip(comms, xs, strict=True)
+                )
+            )
+            for x in xs:
+                np.testing.assert_allclose(x, expected, rtol=1e-12)
+            assert len({x.tobytes() for x in xs}) == 1  # bitwise identical everywhere

@@ -111,6 +111,21 @@ class SameHost:
             if m.host == mine.host and m.host_id == mine.host_id
         ]
 
+    def ring_ranks(self) -> list[int] | None:
+        """For a hierarchical call: the ranks with this rank's local index on every host
+        (in host order), or None unless every host has the same number (>= 1) of ranks
+        sharing memory and there are at least two hosts."""
+        if not self.enabled or self._me < 0 or not all(m.host_id for m in self._members):
+            return None
+        hosts: dict[tuple[str, str], list[int]] = {}
+        for rank, m in enumerate(self._members):
+            hosts.setdefault((m.host, m.host_id), []).append(rank)
+        sizes = {len(ranks) for ranks in hosts.values()}
+        if len(hosts) < 2 or len(sizes) != 1:
+            return None
+        index = self.local_ranks.index(self._me)
+        return [ranks[index] for ranks in hosts.values()]
+
     @property
     def all_local(self) -> bool:
         """Whether the whole group (two or more) shares this host's memory."""

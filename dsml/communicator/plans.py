@@ -155,6 +155,7 @@ class Planner:
         in_shm = (
             self._shm is not None and algo in ("auto", *SHM_ALGORITHMS) and self._shm.usable(be)
         )
+        hier = algo == "hierarchical" and self._shm is not None and self._shm.hierarchical(be)
         if algo == "auto":
             algo = "shm" if in_shm else choose_all_reduce(x.nbytes, size)
         fp = Fingerprint(
@@ -172,6 +173,12 @@ class Planner:
             if call.size == 1:
                 return x
             src, copy = self._flat_input(be, x)
+            if hier and self._shm is not None:
+                await self._shm.all_reduce_hierarchical(call, src, src, reduce_op)
+                if copy is not None:
+                    be.copy_out(copy, x)
+                self._release(be, copy)
+                return x
             if (
                 in_shm
                 and self._shm is not None

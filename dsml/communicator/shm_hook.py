@@ -15,8 +15,10 @@ from typing import Any, TypeVar
 import msgpack
 
 from ..collectives import NUMPY, ArrayBackend, ReduceOp
+from ..collectives.all_reduce_hierarchical import all_reduce_hierarchical
 from ..collectives.all_reduce_shm import all_reduce_shm
 from ..collectives.collectives_shm import all_gather_shm, broadcast_shm, reduce_scatter_shm
+from ..collectives.group import Lane, Receipt, Received
 from ..collectives.shm_plane import HostMember, SameHost, ShmCall
 from ..config import CommConfig
 from ..errors import CollectiveAbortedError, ProtocolError
@@ -66,6 +68,32 @@ class ShmHook:
         if not done:
             self.plane.warn_no_room(src.nbytes)
         return done
+
+    def hierarchical(self, be: ArrayBackend) -> bool:
+        """Whether a hierarchical all_reduce can run (several hosts, as many ranks each)."""
+        return be is NUMPY and self.plane.ring_ranks() is not None
+
+    async def all_reduce_hierarchical(
+        self, call: Call, src: Array, dst: Array, op: ReduceOp
+    ) -> None:
+        """dst = all-reduce of src: shared memory in each host, a ring between hosts."""
+        ranks = self.plane.ring_ranks()
+        assert ranks is not None
+        ring = _Ring(call, ranks)
+
+        def algorithm(group: ShmCall) -> Awaitable[bool]:
+            return all_reduce_hierarchical(group, ring, src, dst, op, self._stage_bytes)
+
+        if not await self._run(call, algorithm):
+            raise CollectiveAbortedError(
+                f"rank {call.rank} has no room in /dev/shm for a {src.nbytes}-byte "
+                "hierarchical all_reduce; enlarge /dev/shm or raise shm_max_bytes, or use "
+                "algorithm='ring'",
+                origin=call.rank,
+                rank=call.rank,
+                epoch=call.epoch,
+                cid=call.cid,
+            )
 
     async def barrier(self, call: Call) -> None:
         await self._run(call, lambda group: group.sync())
@@ -118,6 +146,40 @@ class ShmHook:
 
     def __repr__(self) -> str:
         return f"<ShmHook {self.plane!r}>"
+
+
+class _Ring:
+    """The Group of a hierarchical call's ring between hosts: `ranks[i]` is ring rank i."""
+
+    def __init__(self, call: Call, ranks: list[int]) -> None:
+        self._call = call
+        self._ranks = ranks
+        self.rank = ranks.index(call.rank)
+        self.size = len(ranks)
+        self.chunk_bytes = call.chunk_bytes
+
+    async def send(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        payload: memoryview | None = None,
+        *,
+        meta: dict[str, Any] | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Receipt:
+        return await self._call.send(self._ranks[peer], step, chunk, payload, meta=meta, lane=lane)
+
+    async def recv(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        *,
+        nbytes: int | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Received:
+        return await self._call.recv(self._ranks[peer], step, chunk, nbytes=nbytes, lane=lane)
 
 
 def _conflict(mine: bytes, theirs: bytes) -> str | None:
