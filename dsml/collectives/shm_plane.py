@@ -78,7 +78,7 @@ class SameHost:
     """See the module docstring."""
 
     def __init__(
-        self, *, enabled: bool, stage_bytes: int, max_data_bytes: int, spin_s: float = 200e-6
+        self, *, enabled: bool, stage_bytes: int, max_data_bytes: int, spin_s: float = 5e-3
     ) -> None:
         self.enabled = enabled
         self.stage_bytes = stage_bytes

@@ -142,7 +142,7 @@ class ShmLink:
         epoch: int,
         *,
         max_data_bytes: int,
-        spin_s: float = 200e-6,
+        spin_s: float = 5e-3,
     ) -> None:
         assert len(peers) <= MAX_LOCAL
         self.me = me
