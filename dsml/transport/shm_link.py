@@ -8,16 +8,19 @@ and read them directly; algorithms reduce straight out of a peer's data segment.
 Synchronisation is by counters, no messages. A rank's `PROGRESS` word holds
 `cid * 256 + phase`: it has reached `phase` of collective `cid` (phase 255: it gave that
 call up). `sync` posts the next phase and waits until every peer has posted it. Waiting
-spins briefly (yielding the CPU between looks, so an oversubscribed host still moves),
-then goes back to the event loop between looks, then sleeps in short steps; while it is
-in the loop, the mesh can fail the call (a peer lost over TCP, an abort), which cancels
-the wait. Nothing about this path involves the event loop when peers are prompt.
+spins (for the first 50 us without yielding, then yielding the CPU between looks, so an
+oversubscribed host still moves) for up to `spin_s`, then sleeps on the event loop until
+a peer's wake-up datagram (`shm_wake.py`) arrives; while it sleeps, the mesh can fail the
+call (a peer lost over TCP, an abort), which cancels the wait. When peers are prompt,
+nothing on this path goes through the event loop.
 
 The first sync of a call also carries the call's *entry record*: its collective id, the
-caller's fingerprint (its wire bytes) and whether the caller found room for the data.
-Every rank compares every peer's record with its own, so ranks that called different
-collectives fail with `CollectiveMismatchError` as they would over TCP. Records live in
-two slots by cid parity: a peer can be at most one call ahead.
+caller's fingerprint (its wire bytes), whether the caller found room for its data, and
+the generation of its data segment for this call (a faster peer may already have grown
+its segment for the next call: readers map the generation of the record, not the
+newest). Every rank compares every peer's record with its own, so ranks that called
+different collectives fail with `CollectiveMismatchError` as they would over TCP.
+Records live in two slots by cid parity: a peer can be at most one call ahead.
 
 Segment names are unlinked as soon as every peer has mapped them (a peer writes the
 generation it mapped into its own control segment), so a crash leaves no file behind.
@@ -26,10 +29,8 @@ generation it mapped into its own control segment), so a crash leaves no file be
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import numpy as np
 
 from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
 from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
+from .shm_wake import Waker
 
 __all__ = ["FAILED", "LinkPeer", "ShmLink"]
 
@@ -56,6 +58,7 @@ FP_MAX = RECORD_BYTES - 32
 MAPPED = 1280 // 8  # word index: MAPPED + j = generation of rank j's data this rank mapped
 MAX_LOCAL = (HEADER_BYTES - 1280) // 8
 MIN_DATA_BYTES = 256 << 10
+PURE_SPIN_S = 50e-6  # a peer this close behind is worth keeping the CPU for
 BACKSTOP_S = 2e-3  # longest sleep without a look at the peers' counters
 GIVE_UP_GRACE_S = 0.25  # after a peer gave a call up: time for its abort to arrive
 
@@ -72,64 +75,6 @@ class LinkPeer:
     member: str
     pid: int
     rank: int  # its rank in the whole group (for error messages)
-
-
-class Waker:
-    """A datagram socket in Linux's abstract namespace that wakes this rank's loop.
-
-    Abstract names need no file and vanish with the process, so nothing can leak. A
-    peer sends one byte after posting, only when this rank's `SLEEPING` word says it
-    stopped spinning; `wait` returns on that byte or after `backstop_s` (a lost wake-up,
-    possible when both sides look at the same moment, costs at most that).
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = b"\0" + name.encode()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        self._sock.bind(self.name)
-        self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._out.setblocking(False)
-        self._event: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def start(self) -> None:
-        """Start listening on the running loop."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self._event = asyncio.Event()
-            self._loop.add_reader(self._sock.fileno(), self._readable)
-
-    def _readable(self) -> None:
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            while True:
-                self._sock.recv(64)
-        assert self._event is not None
-        self._event.set()
-
-    def arm(self) -> None:
-        """Forget earlier wake-ups (call before announcing that this rank sleeps)."""
-        assert self._event is not None
-        self._event.clear()
-
-    async def wait(self, backstop_s: float) -> None:
-        assert self._event is not None
-        assert self._loop is not None
-        timer = self._loop.call_later(backstop_s, self._event.set)
-        try:
-            await self._event.wait()
-        finally:
-            timer.cancel()
-
-    def wake(self, name: bytes) -> None:
-        with contextlib.suppress(OSError):  # full, or the peer is gone: it will look anyway
-            self._out.sendto(b"w", name)
-
-    def close(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._sock.fileno())
-        self._sock.close()
-        self._out.close()
 
 
 class ShmLink:
@@ -357,16 +302,19 @@ class ShmLink:
         raise _GaveUp(rank)
 
     async def _wait(self, ready: Callable[[int], bool]) -> None:
-        """Spin (yielding the CPU) for up to spin_s, then sleep until a peer wakes us."""
+        """Spin for up to spin_s (yielding the CPU after the first PURE_SPIN_S), then
+        sleep until a peer wakes us."""
         pending = [r for r in range(self.size) if r != self.me]
-        deadline = time.perf_counter() + self._spin_s
+        start = time.perf_counter()
         while True:
             pending = [r for r in pending if not ready(r)]
             if not pending:
                 return
-            if time.perf_counter() > deadline:
+            waited = time.perf_counter() - start
+            if waited > self._spin_s:
                 break
-            os.sched_yield()
+            if waited > PURE_SPIN_S:
+                os.sched_yield()
         assert self._waker is not None
         mine = self._words[self.me]
         try:
