@@ -331,3 +331,20 @@ async def test_hierarchical_all_reduce_over_hosts_is_exact(
             for x in xs:
                 np.testing.assert_allclose(x, expected, rtol=1e-12)
             assert len({x.tobytes() for x in xs}) == 1  # bitwise identical everywhere
+
+
+async def test_a_rank_that_never_arrives_times_out_the_others_and_a_late_one_fails_too() -> None:
+    async with open_local_cluster(3) as comms:
+        xs = [np.full(1000, r + 1, np.float32) for r in range(3)]
+        early = await asyncio.gather(
+            *(c.all_reduce(x, timeout=0.5) for c, x in zip(comms[:2], xs[:2], strict=True)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(e, dsml.CollectiveTimeoutError) for e in early), early
+        assert any(2 in e.missing for e in early)  # the first to time out names rank 2
+        with pytest.raises(dsml.CollectiveError):
+            await comms[2].all_reduce(xs[2], timeout=5)
+        assert all((x == r + 1).all() for r, x in enumerate(xs))  # inputs intact
+        ys = [np.full(3, r, np.int32) for r in range(3)]  # and the group goes on
+        await asyncio.gather(*(c.all_reduce(y) for c, y in zip(comms, ys, strict=True)))
+        assert all((y == 3).all() for y in ys)
