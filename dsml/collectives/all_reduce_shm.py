@@ -8,12 +8,13 @@ Two schedules, chosen by size (the same on every rank):
   the same inputs in the same order give every rank the same bits.
 * large: slices, as in a reduce-scatter + all-gather. Rank r owns slice r. For each piece
   (the staging area bounds how much of the input is in shared memory at once): every rank
-  copies its input's slices j != r of this piece into its staging area; sync; rank r
-  reduces slice r's piece from its own input and the peers' staging areas, in rank order,
-  straight into its results area (cache-sized blocks, so partial sums stay in cache);
-  sync. After the last piece every rank copies the finished slices from the owners'
-  results areas into `dst`. Per rank: copies in (P-1)/P n, reads n and writes n/P to
-  reduce, copies out n; two syncs per piece. The results of all pieces stay in shared
+  copies its input's slices j != r of this piece into its staging area (P-1 slots at
+  the end of its data area); sync; rank r reduces slice r's piece from its own input and
+  the peers' staging areas, in rank order, straight into its results (the start of its
+  data area; cache-sized blocks, so partial sums stay in cache); sync. After the last
+  piece every rank copies the finished slices from the owners' results into `dst`. Per
+  rank: copies in (P-1)/P n, reads n and writes n/P to reduce, copies out n; two syncs
+  per piece. The results of all pieces stay in shared
   memory until the end, so `dst` (often the caller's input) is written only once every
   rank has finished: a failure leaves it untouched.
 
@@ -32,7 +33,7 @@ import numpy as np
 from .arrays import Array
 from .chunking import split_spans
 from .ops import ReduceOp
-from .shm_group import ShmGroup, halves
+from .shm_group import ShmGroup, staging
 
 __all__ = ["all_reduce_shm", "reduce_into", "reduce_slices", "results"]
 
@@ -87,23 +88,29 @@ async def reduce_slices(
     longest = max(hi - lo for lo, hi in spans)
     slot = max(1, min(longest, stage_bytes // (size * itemsize)))  # elements per slice and piece
     pieces = max(1, -(-longest // slot))
-    room = group.reserve(2 * max(size * slot, longest) * itemsize)
     lo_r, hi_r = spans[rank]
+    stage_bytes = (size - 1) * slot * itemsize  # a slot per other rank's slice
+    room = group.reserve((hi_r - lo_r) * itemsize, stage_bytes)
     for p in range(pieces):
         # Phase 1: stage this piece of every slice but our own.
         if room:
-            stage = halves(group.area(rank))[0].view(dtype)
+            stage = staging(group.area(rank), stage_bytes).view(dtype)
             for j, (lo, hi) in enumerate(spans):
                 a, b = min(lo + p * slot, hi), min(lo + (p + 1) * slot, hi)
                 if j != rank and b > a:
-                    stage[j * slot : j * slot + b - a] = src[a:b]
+                    at = _slot(j, rank) * slot
+                    stage[at : at + b - a] = src[a:b]
         if not await group.sync(room) and p == 0:
             return False  # some rank has no room: nothing was written yet
         # Phase 2: reduce our slice's piece from everyone's input, into our results.
         a, b = min(lo_r + p * slot, hi_r), min(lo_r + (p + 1) * slot, hi_r)
         if b > a:
             inputs = [
-                src[a:b] if j == rank else _staged(group, j, dtype, rank * slot, b - a)
+                src[a:b]
+                if j == rank
+                else staging(group.area(j), stage_bytes).view(dtype)[_slot(rank, j) * slot :][
+                    : b - a
+                ]
                 for j in range(size)
             ]
             out = results(group, rank, dtype, hi_r - lo_r)[a - lo_r : b - lo_r]
@@ -115,12 +122,13 @@ async def reduce_slices(
 
 
 def results(group: ShmGroup, rank: int, dtype: Any, count: int) -> Array:
-    """The first `count` elements of a rank's results area."""
-    return halves(group.area(rank))[1].view(dtype)[:count]
+    """The first `count` elements of a rank's results (at the start of its data area)."""
+    return group.area(rank)[: count * np.dtype(dtype).itemsize].view(dtype)
 
 
-def _staged(group: ShmGroup, rank: int, dtype: Any, start: int, count: int) -> Array:
-    return halves(group.area(rank))[0].view(dtype)[start : start + count]
+def _slot(slice_: int, writer: int) -> int:
+    """Where `writer` stages slice `slice_` (it stages every slice but its own)."""
+    return slice_ if slice_ < writer else slice_ - 1
 
 
 def reduce_into(out: Array, inputs: list[Array], op: ReduceOp, lo: int, hi: int) -> None:

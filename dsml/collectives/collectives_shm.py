@@ -24,7 +24,7 @@ import numpy as np
 from .all_reduce_shm import reduce_into, reduce_slices, results
 from .arrays import Array
 from .ops import ReduceOp
-from .shm_group import ShmGroup, halves
+from .shm_group import ShmGroup, staging
 
 __all__ = ["all_gather_shm", "broadcast_shm", "reduce_scatter_shm"]
 
@@ -43,15 +43,15 @@ async def broadcast_shm(group: ShmGroup, buf: Array, root: int, stage_bytes: int
             data[:] = group.inline(root)[:nbytes]
         return True
     piece = max(buf.dtype.itemsize, min(nbytes, stage_bytes))
-    room = group.reserve(2 * piece) if is_root else True
+    room = group.reserve(0, piece) if is_root else True
     for lo in range(0, nbytes, piece):
         hi = min(lo + piece, nbytes)
         if is_root and room:
-            halves(group.area(root))[0][: hi - lo] = data[lo:hi]
+            staging(group.area(root), piece)[: hi - lo] = data[lo:hi]
         if not await group.sync(room) and lo == 0:
             return False
         if not is_root:
-            data[lo:hi] = halves(group.area(root))[0][: hi - lo]
+            data[lo:hi] = staging(group.area(root), piece)[: hi - lo]
         await group.sync()  # the root's staging area may be written again
     return True
 
@@ -64,11 +64,11 @@ async def all_gather_shm(
     raw = block.view(np.uint8)
     head = group.inline(group.rank)[:_HEADER].view(np.int64)
     inline = len(raw) + _HEADER <= group.inline_bytes
-    room = inline or group.reserve(2 * len(raw))
+    room = inline or group.reserve(0, len(raw))
     if inline:
         group.inline(group.rank)[_HEADER : _HEADER + len(raw)] = raw
     elif room:
-        halves(group.area(group.rank))[0][: len(raw)] = raw
+        staging(group.area(group.rank), len(raw))[:] = raw
     head[0], head[1] = rows, 0 if inline else 1
     if not await group.sync(room):
         return None
@@ -88,7 +88,7 @@ def _block_bytes(group: ShmGroup, rank: int, size: int) -> Any:
     where = int(group.inline(rank)[:_HEADER].view(np.int64)[1])
     if where == 0:
         return group.inline(rank)[_HEADER : _HEADER + size]
-    return halves(group.area(rank))[0][:size]
+    return staging(group.area(rank), size)
 
 
 async def reduce_scatter_shm(

@@ -8,17 +8,19 @@ counters. The first `sync` of a call compares every rank's fingerprint (a mismat
 `CollectiveMismatchError`) and tells whether every rank found room for its data; when one
 did not, the algorithm returns False and the caller runs a TCP algorithm instead.
 
-Ordering rules every algorithm keeps, so calls never overwrite what a slower peer still
-reads: a rank writes its data area's first half (staging) only before a sync and after
-the previous call's last sync; it writes the second half (results) only after its
-call's first sync; inline areas are written before the first sync only.
+A data area holds *results* at its start and *staging* at its end (`results`,
+`staging`); `reserve` keeps the two apart, also from the previous call's results. Ordering
+rules every algorithm keeps, so calls never overwrite what a slower peer still reads: a
+rank writes its staging only before a sync, and results only after its call's first
+sync; inline areas are written before the first sync only; peers read staging only
+before the call's last sync.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["ShmGroup", "halves"]
+__all__ = ["ShmGroup", "results", "staging"]
 
 
 class ShmGroup(Protocol):
@@ -31,8 +33,8 @@ class ShmGroup(Protocol):
     @property
     def inline_bytes(self) -> int: ...
 
-    def reserve(self, nbytes: int) -> bool:
-        """Make this rank's data area at least nbytes; False when there is no room."""
+    def reserve(self, results_bytes: int, staging_bytes: int) -> bool:
+        """Make room for this call's results and staging; False when there is none."""
         ...
 
     def area(self, rank: int) -> Any:
@@ -48,7 +50,11 @@ class ShmGroup(Protocol):
         ...
 
 
-def halves(area: Any) -> tuple[Any, Any]:
-    """(staging, results): the two halves of a data area."""
-    half = len(area) // 2
-    return area[:half], area[half : 2 * half]
+def staging(area: Any, nbytes: int) -> Any:
+    """The staging part of a data area: its last nbytes (uint8)."""
+    return area[len(area) - nbytes :]
+
+
+def results(area: Any) -> Any:
+    """The results part of a data area: from its start (uint8)."""
+    return area

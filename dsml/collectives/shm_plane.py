@@ -14,12 +14,13 @@ empty one), so every rank decides alike from the view whether a group is all on 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..transport.shm_link import INLINE_BYTES, LinkPeer, ShmLink
+from ..transport.shm_link import INLINE_BYTES, Check, LinkPeer, ShmLink
 from ..transport.shm_segment import ShmFullError
 
 __all__ = ["HostMember", "SameHost", "ShmCall"]
@@ -41,10 +42,11 @@ class HostMember:
 class ShmCall:
     """One call's `ShmGroup` over a link: it numbers the call's syncs."""
 
-    def __init__(self, link: ShmLink, cid: int, record: bytes) -> None:
+    def __init__(self, link: ShmLink, cid: int, record: bytes, check: Check | None) -> None:
         self._link = link
         self._cid = cid
         self._record: bytes | None = record
+        self._check = check
         self._phase = 0
 
     @property
@@ -59,8 +61,8 @@ class ShmCall:
     def inline_bytes(self) -> int:
         return INLINE_BYTES
 
-    def reserve(self, nbytes: int) -> bool:
-        return self._link.reserve(nbytes)
+    def reserve(self, results_bytes: int, staging_bytes: int) -> bool:
+        return self._link.reserve(results_bytes, staging_bytes)
 
     def area(self, rank: int) -> Any:
         return self._link.area(rank)
@@ -71,7 +73,7 @@ class ShmCall:
     async def sync(self, ok: bool = True) -> bool:
         self._phase += 1
         record, self._record = self._record, None
-        return await self._link.sync(self._cid, self._phase, record, ok)
+        return await self._link.sync(self._cid, self._phase, record, ok, self._check)
 
 
 class SameHost:
@@ -89,13 +91,15 @@ class SameHost:
         self._epoch = 0
         self._link: ShmLink | None = None
         self._warned = False
-        #: (mine, theirs) fingerprint bytes -> None when compatible, else what differs
-        self.decode_record: Callable[[bytes, bytes], str | None] | None = None
 
     def set_view(self, epoch: int, members: Sequence[HostMember], me: int) -> None:
-        """Adopt a view (members in rank order, `me` this rank); drops the old link."""
+        """Adopt a view (members in rank order, `me` this rank); drops the old link and
+        makes this rank's end of the new one now, so peers find it early."""
         self.close()
         self._epoch, self._members, self._me = epoch, list(members), me
+        if len(self.local_ranks) > 1:
+            with contextlib.suppress(ShmFullError):  # the first call that needs it says so
+                self._make_link()
 
     @property
     def local_ranks(self) -> list[int]:
@@ -136,11 +140,16 @@ class SameHost:
         cid: int,
         record: bytes,
         algorithm: Callable[[ShmCall], Awaitable[T]],
+        check: Check | None = None,
     ) -> T:
-        """Run `algorithm` on this call's ShmGroup; marks the call done or given up."""
+        """Run `algorithm` on this call's ShmGroup; marks the call done or given up.
+
+        `record` (the call's fingerprint bytes) is compared with every peer's at the first
+        sync; `check(peer, theirs)` says what error a different record means."""
         link = await self._connected()
         try:
-            result = await algorithm(ShmCall(link, cid, record))
+            await link.begin(cid)
+            result = await algorithm(ShmCall(link, cid, record, check))
         except BaseException:
             link.abandon(cid)
             raise
@@ -148,26 +157,28 @@ class SameHost:
         return result
 
     async def _connected(self) -> ShmLink:
-        if self._link is None:
-            ranks = self.local_ranks
-            peers = [LinkPeer(self._members[r].member, self._members[r].pid, r) for r in ranks]
-            link = ShmLink(
-                ranks.index(self._me),
-                peers,
-                self._epoch,
-                max_data_bytes=self.max_data_bytes,
-                spin_s=self._spin_s,
-            )
-            link.decode_record = self.decode_record
-            try:
-                link.create()
-            except ShmFullError:
-                link.close()
-                raise
-            self._link = link
-        if not self._link.connected:
-            await self._link.wait_connected()
-        return self._link
+        link = self._link if self._link is not None else self._make_link()
+        if not link.connected:
+            await link.wait_connected()
+        return link
+
+    def _make_link(self) -> ShmLink:
+        ranks = self.local_ranks
+        peers = [LinkPeer(self._members[r].member, self._members[r].pid, r) for r in ranks]
+        link = ShmLink(
+            ranks.index(self._me),
+            peers,
+            self._epoch,
+            max_data_bytes=self.max_data_bytes,
+            spin_s=self._spin_s,
+        )
+        try:
+            link.create()
+        except ShmFullError:
+            link.close()
+            raise
+        self._link = link
+        return link
 
     def warn_no_room(self, nbytes: int) -> None:
         """Say once per communicator that an array went over TCP for want of room."""

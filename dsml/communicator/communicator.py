@@ -51,7 +51,7 @@ class Communicator:
         self._keeper = ViewKeeper(mesh, registry, config.view_timeout)
         self._runner = Runner(mesh, self._keeper, config, loop)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
-        self._shm = ShmHook(config, mesh.member_id)  # same-host shared memory
+        self._shm = ShmHook(config, mesh)  # same-host shared memory
         if mesh.view is not None:
             self._shm.set_view(mesh.view)
         self._keeper.listeners.append(lambda _old, new: self._shm.set_view(new))

@@ -152,10 +152,8 @@ class Planner:
         algo = check_algorithm(algorithm)
         # Shared memory when the whole group is on this host (the same answer on every
         # rank: it depends on the view only); "shm" asked for elsewhere runs the ring.
-        in_shm = (
-            self._shm is not None and algo in ("auto", *SHM_ALGORITHMS) and self._shm.usable(be)
-        )
-        hier = algo == "hierarchical" and self._shm is not None and self._shm.hierarchical(be)
+        in_shm = self._shm is not None and algo in ("auto", *SHM_ALGORITHMS) and self._shm.claim(be)
+        hier = algo == "hierarchical" and self._shm is not None and self._shm.claim_hierarchical(be)
         if algo == "auto":
             algo = "shm" if in_shm else choose_all_reduce(x.nbytes, size)
         fp = Fingerprint(
@@ -241,7 +239,7 @@ class Planner:
         root = self._root(root, size)
         x, be, dtype = self._array(x, writable=rank != root)
         fp = Fingerprint("broadcast", dtype, x.size, x.shape, None, root, chunk_bytes=self._chunk)
-        shm = self._shm if self._shm is not None and self._shm.usable(be) else None
+        shm = self._shm if self._shm is not None and self._shm.claim(be) else None
 
         async def body(call: Call) -> Array:
             if call.size == 1:
@@ -271,7 +269,7 @@ class Planner:
         fp = Fingerprint(
             "reduce_scatter", dtype, x.size, rows_x.shape, reduce_op.value, chunk_bytes=self._chunk
         )
-        shm = self._shm if self._shm is not None and self._shm.usable(be) else None
+        shm = self._shm if self._shm is not None and self._shm.claim(be) else None
 
         async def body(call: Call) -> Array:
             rows, trailing = rows_x.shape[0], rows_x.shape[1:]
@@ -311,7 +309,7 @@ class Planner:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint("all_gather", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)
-        shm = self._shm if self._shm is not None and self._shm.usable(be) else None
+        shm = self._shm if self._shm is not None and self._shm.claim(be) else None
 
         async def body(call: Call) -> Array:
             block, copy = self._flat_input(be, rows_x)
@@ -391,7 +389,7 @@ class Planner:
         return Plan(fp, body)
 
     def barrier(self) -> Plan:
-        in_shm = self._shm is not None and self._shm.usable(NUMPY)
+        in_shm = self._shm is not None and self._shm.claim(NUMPY)
 
         async def body(call: Call) -> None:
             if call.size > 1 and in_shm and self._shm is not None:

@@ -9,6 +9,8 @@ reported to the peers over TCP by the runner, as for any other algorithm.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,11 +23,13 @@ from ..collectives.collectives_shm import all_gather_shm, broadcast_shm, reduce_
 from ..collectives.group import Lane, Receipt, Received
 from ..collectives.shm_plane import HostMember, SameHost, ShmCall
 from ..config import CommConfig
-from ..errors import CollectiveAbortedError, ProtocolError
+from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
 from ..membership import View
 from ..transport.shm_segment import ShmFullError
 from ..wire import Fingerprint
 from .call import Call
+from .diagnose import mismatch_message
+from .mesh import Mesh
 
 __all__ = ["ShmHook"]
 
@@ -36,15 +40,17 @@ Array = Any
 class ShmHook:
     """See the module docstring."""
 
-    def __init__(self, config: CommConfig, member_id: str) -> None:
-        self._member_id = member_id
+    def __init__(self, config: CommConfig, mesh: Mesh) -> None:
+        self._member_id = mesh.member_id
+        self._mesh = mesh
+        self._claimed: list[tuple[int, int]] = []  # (epoch, cid) of calls planned for shm
+        self._finished = asyncio.Event()
         self._stage_bytes = config.shm_stage_bytes
         self.plane = SameHost(
             enabled=config.shm,
             stage_bytes=config.shm_stage_bytes,
             max_data_bytes=config.shm_max_bytes,
         )
-        self.plane.decode_record = _conflict
 
     def set_view(self, view: View) -> None:
         """Follow a new view (at a collective boundary)."""
@@ -53,10 +59,33 @@ class ShmHook:
         members = [HostMember(m.id, m.host, m.host_id, m.pid) for m in view.members]
         self.plane.set_view(view.epoch, members, rank)
 
-    def usable(self, be: ArrayBackend) -> bool:
-        """Whether a call on arrays of this backend runs in shared memory here (the answer
-        depends only on the view and the array type, so every rank gives the same)."""
-        return be is NUMPY and self.plane.all_local
+    def claim(self, be: ArrayBackend) -> bool:
+        """Whether the call being planned (on arrays of this backend) runs in shared
+        memory; the answer depends only on the view and the array type, so every rank
+        gives the same. If so, the call takes its turn (see `_wait_turn`)."""
+        return be is NUMPY and self.plane.all_local and self._take_turn()
+
+    def claim_hierarchical(self, be: ArrayBackend) -> bool:
+        """Like `claim`, for a hierarchical all_reduce (several hosts, as many ranks each)."""
+        return be is NUMPY and self.plane.ring_ranks() is not None and self._take_turn()
+
+    def _take_turn(self) -> bool:
+        # Planning happens right after the runner numbered the call, in program order.
+        self._claimed.append((self._mesh.epoch, self._mesh.next_cid - 1))
+        return True
+
+    async def _wait_turn(self, call: Call) -> None:
+        """Wait until this rank's earlier shared-memory calls are over: the link runs one
+        call at a time, in collective order on every rank, while TCP calls may overlap."""
+        while True:
+            live = self._mesh.calls
+            self._claimed = [key for key in self._claimed if key in live]
+            if not any(key < (call.epoch, call.cid) for key in self._claimed):
+                return
+            finished = self._finished
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.01):  # also notice calls that failed unrun
+                    await finished.wait()
 
     async def all_reduce(self, call: Call, src: Array, dst: Array, op: ReduceOp) -> bool:
         """dst = all-reduce of src in shared memory; False (nothing written) for want of room."""
@@ -68,10 +97,6 @@ class ShmHook:
         if not done:
             self.plane.warn_no_room(src.nbytes)
         return done
-
-    def hierarchical(self, be: ArrayBackend) -> bool:
-        """Whether a hierarchical all_reduce can run (several hosts, as many ranks each)."""
-        return be is NUMPY and self.plane.ring_ranks() is not None
 
     async def all_reduce_hierarchical(
         self, call: Call, src: Array, dst: Array, op: ReduceOp
@@ -129,8 +154,13 @@ class ShmHook:
 
     async def _run(self, call: Call, algorithm: Callable[[ShmCall], Awaitable[T]]) -> T:
         record = msgpack.packb(call.fingerprint.to_wire())
+
+        def check(peer: int, theirs: bytes) -> CollectiveMismatchError | None:
+            return _mismatch(call, peer, theirs)
+
+        await self._wait_turn(call)
         try:
-            return await self.plane.run(call.cid, record, algorithm)
+            return await self.plane.run(call.cid, record, algorithm, check)
         except ShmFullError as exc:
             raise CollectiveAbortedError(
                 f"rank {call.rank} found no room in /dev/shm for its shared-memory link "
@@ -140,6 +170,11 @@ class ShmHook:
                 epoch=call.epoch,
                 cid=call.cid,
             ) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._claimed.remove((call.epoch, call.cid))
+            self._finished.set()
+            self._finished = asyncio.Event()
 
     def close(self) -> None:
         self.plane.close()
@@ -182,14 +217,19 @@ class _Ring:
         return await self._call.recv(self._ranks[peer], step, chunk, nbytes=nbytes, lane=lane)
 
 
-def _conflict(mine: bytes, theirs: bytes) -> str | None:
-    """What differs between two fingerprints' wire bytes (None: compatible)."""
+def _mismatch(call: Call, peer: int, theirs: bytes) -> CollectiveMismatchError | None:
+    """The error for a peer's entry record unlike this call's (None: compatible)."""
     try:
-        ours = Fingerprint.from_wire(msgpack.unpackb(mine))
         other = Fingerprint.from_wire(msgpack.unpackb(theirs))
     except (ProtocolError, ValueError, msgpack.UnpackException):
-        return "fingerprints that cannot be compared"
-    fields = ours.conflicts(other)
-    if not fields:
+        other = Fingerprint("(an unreadable or overlong fingerprint)")
+    if not call.fingerprint.conflicts(other):
         return None
-    return f"this rank called {ours.describe()}, the other {other.describe()} ({', '.join(fields)})"
+    return CollectiveMismatchError(
+        mismatch_message(call.cid, call.rank, call.fingerprint, peer, other),
+        ranks=(call.rank, peer),
+        rank=call.rank,
+        epoch=call.epoch,
+        cid=call.cid,
+        collective=call.fingerprint.collective,
+    )

@@ -20,7 +20,8 @@ the generation of its data segment for this call (a faster peer may already have
 its segment for the next call: readers map the generation of the record, not the
 newest). Every rank compares every peer's record with its own, so ranks that called
 different collectives fail with `CollectiveMismatchError` as they would over TCP.
-Records live in two slots by cid parity: a peer can be at most one call ahead.
+Records (and the inline areas for small calls) alternate between two slots; `begin`
+reuses a slot only once every peer has left the call that used it last.
 
 Segment names are unlinked as soon as every peer has mapped them (a peer writes the
 generation it mapped into its own control segment), so a crash leaves no file behind.
@@ -42,10 +43,13 @@ from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolEr
 from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
 from .shm_wake import Waker
 
-__all__ = ["FAILED", "LinkPeer", "ShmLink"]
+__all__ = ["FAILED", "Check", "LinkPeer", "ShmLink"]
+
+#: (peer's rank, its entry record) -> the error to raise, or None when compatible
+Check = Callable[[int, bytes], BaseException | None]
 
 HEADER_BYTES = 4096
-INLINE_BYTES = 64 << 10  # two inline areas (by cid parity) for small calls, after the header
+INLINE_BYTES = 64 << 10  # two inline areas (one per record slot) for small calls
 CONTROL_BYTES = HEADER_BYTES + 2 * INLINE_BYTES
 MAGIC = 0x6473_6D6C_7368_6D31  # "dsmlshm1"
 FAILED = 255
@@ -103,6 +107,11 @@ class ShmLink:
         self._areas: list[Any] = [None] * self.size
         self._gens = [0] * self.size  # generation of each rank's data mapped here
         self._waker: Waker | None = None
+        self._results_hw = 0  # own data area: bytes at its start that held results
+        self._count = 0  # calls begun: they alternate between two record slots
+        self._used = [0, 0]  # the call that last used each slot (and inline area)
+        self._slot = 0
+        self._cid = 0
         self.closed = False
 
     # -- setup ------------------------------------------------------------------------------
@@ -156,12 +165,21 @@ class ShmLink:
 
     # -- data areas -------------------------------------------------------------------------
 
-    def reserve(self, nbytes: int) -> bool:
-        """Make this rank's data area at least `nbytes`; False when /dev/shm has no room
-        (or it exceeds `max_data_bytes`). Peers see a new area from the next sync on."""
+    def reserve(self, results_bytes: int, staging_bytes: int) -> bool:
+        """Make room in this rank's data area for a call's results (at its start) and
+        staging (at its end); False when /dev/shm has no room (or it would exceed
+        `max_data_bytes`).
+
+        Staging must not overlap results of the previous call, which slower peers may
+        still be copying out: within one segment, results up to their high-water mark
+        stay clear of it. A larger need makes a new segment (the next generation); peers
+        map it at this call's first sync.
+        """
         own = self._data[self.me]
-        if own is not None and own.size >= nbytes:
+        if own is not None and own.size >= max(self._results_hw, results_bytes) + staging_bytes:
+            self._results_hw = max(self._results_hw, results_bytes)
             return True
+        nbytes = results_bytes + staging_bytes
         if nbytes > self.max_data_bytes:
             return False
         size = max(nbytes, MIN_DATA_BYTES, 2 * own.size if own is not None else 0)
@@ -172,6 +190,7 @@ class ShmLink:
             except ShmFullError:
                 continue
             self._install(self.me, seg, gen)
+            self._results_hw = results_bytes
             words = self._words[self.me]
             words[W_DATA_BYTES] = seg.size
             words[W_GEN] = gen  # for diagnosis: peers take the generation from entry records
@@ -183,13 +202,16 @@ class ShmLink:
         return self._areas[rank]
 
     def inline(self, rank: int, cid: int) -> Any:
-        """Rank's inline area for call `cid` (INLINE_BYTES as uint8, in its control segment).
-
-        Two areas alternate by cid parity, so a call with a single sync can write its
-        input before that sync while slower peers still read the previous call's.
-        """
-        start = HEADER_BYTES + (cid % 2) * INLINE_BYTES
-        return self._inline[rank][start - HEADER_BYTES : start - HEADER_BYTES + INLINE_BYTES]
+        """Rank's inline area for call `cid` (INLINE_BYTES as uint8, in its control segment;
+        a peer's only once this call's first sync is over: its record says which)."""
+        if rank == self.me:
+            assert cid == self._cid
+            slot = self._slot
+        else:
+            slot = self._read_record(rank, cid)[4]
+            if slot < 0:
+                raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
+        return self._inline[rank][slot * INLINE_BYTES : (slot + 1) * INLINE_BYTES]
 
     def _install(self, rank: int, seg: Segment, gen: int) -> None:
         old = self._data[rank]
@@ -233,15 +255,37 @@ class ShmLink:
 
     # -- synchronisation --------------------------------------------------------------------
 
+    async def begin(self, cid: int) -> None:
+        """Start call `cid` on this rank: take the record slot and inline area not used by
+        the previous call, once every peer has left the call that used them last.
+
+        Peers read a call's record and inline area after its first sync; a peer may lag
+        behind by more than a call (the calls between may need no word from it, over TCP),
+        so the slot is reused only when nobody can still be reading it.
+        """
+        slot = self._count % 2
+        self._count += 1
+        used = self._used[slot]
+        if used:
+            await self._wait(lambda rank: self._left(rank, used))
+        self._used[slot], self._slot, self._cid = cid, slot, cid
+
     async def sync(
-        self, cid: int, phase: int, record: bytes | None = None, ok: bool = True
+        self,
+        cid: int,
+        phase: int,
+        record: bytes | None = None,
+        ok: bool = True,
+        check: Check | None = None,
     ) -> bool:
         """Post (cid, phase) and wait for every peer to post it; True when all were ok.
 
         With `record` (the caller's fingerprint bytes) this is the call's first sync: the
-        entry records are written and compared (CollectiveMismatchError on a conflict).
+        entry records are written and compared; `check(peer rank, their record)` gives the
+        error to raise for a record unlike ours (None: compatible).
         """
         assert 0 < phase < FAILED
+        assert cid == self._cid, "begin(cid) first"
         mine = self._words[self.me]
         if record is not None:
             self._write_record(cid, record, ok)
@@ -250,19 +294,21 @@ class ShmLink:
         try:
             await self._wait(lambda rank: self._reached(rank, cid, phase))
         except _GaveUp as gave_up:
-            await self._peer_gave_up(gave_up.rank, cid, record)
+            await self._peer_gave_up(gave_up.rank, cid, record, check)
         if record is None:
             self._unlink_mapped()
             return True
-        all_ok = self._check_records(cid, record)
+        all_ok = self._check_records(cid, record, check)
         self._map_data(cid)
         return all_ok
 
-    async def _peer_gave_up(self, rank: int, cid: int, record: bytes | None) -> None:
+    async def _peer_gave_up(
+        self, rank: int, cid: int, record: bytes | None, check: Check | None
+    ) -> None:
         """A peer failed this call: raise its reason if we can tell it, else wait briefly
         for its abort over TCP (which fails this call with the real reason)."""
-        if record is not None:
-            self._check_records(cid, record, present_only=True)  # a mismatch, seen here too
+        if record is not None:  # a mismatch, seen here too
+            self._check_records(cid, record, check, present_only=True)
         await asyncio.sleep(GIVE_UP_GRACE_S)
         raise CollectiveAbortedError(
             f"rank {self.peers[rank].rank} gave up collective #{cid} (its own error says why)",
@@ -328,60 +374,67 @@ class ShmLink:
         finally:
             mine[W_SLEEPING] = 0
 
+    def _left(self, rank: int, cid: int) -> bool:
+        """Whether rank is done with call cid (finished, gave up, or moved on)."""
+        words = self._words[rank]
+        at, step = divmod(int(words[W_PROGRESS]), _PHASES)
+        return at > cid or (at == cid and step == FAILED) or int(words[W_LAST_OK]) >= cid
+
     def _write_record(self, cid: int, record: bytes, ok: bool) -> None:
         if len(record) > FP_MAX:
             record = b"#" + hashlib.blake2b(record, digest_size=32).digest()
-        at = RECORD_AT[cid % 2]
+        at = RECORD_AT[self._slot]
         raw = np.frombuffer(self._control[self.me].map, np.uint8)  # type: ignore[union-attr]
         head = raw[at : at + 32].view(np.int64)
         head[0], head[1], head[2], head[3] = cid, int(ok), len(record), self._gens[self.me]
         raw[at + 32 : at + 32 + len(record)] = np.frombuffer(record, np.uint8)
 
-    def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int]:
-        """(cid, ok, fingerprint bytes, data generation) of rank's entry record."""
-        at = RECORD_AT[cid % 2]
+    def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int, int]:
+        """(cid, ok, fingerprint bytes, data generation, slot) of rank's entry record for
+        call cid; cid -1 and slot -1 when it has none."""
         raw = np.frombuffer(self._control[rank].map, np.uint8)  # type: ignore[union-attr]
-        head = raw[at : at + 32].view(np.int64)
-        length = min(int(head[2]), FP_MAX + 1)
-        fp = raw[at + 32 : at + 32 + length].tobytes()
-        return int(head[0]), bool(head[1]), fp, int(head[3])
+        for slot, at in enumerate(RECORD_AT):
+            head = raw[at : at + 32].view(np.int64)
+            if int(head[0]) == cid:
+                length = min(int(head[2]), FP_MAX + 1)
+                fp = raw[at + 32 : at + 32 + length].tobytes()
+                return cid, bool(head[1]), fp, int(head[3]), slot
+        return -1, False, b"", 0, -1
 
-    def _check_records(self, cid: int, record: bytes, *, present_only: bool = False) -> bool:
+    def _check_records(
+        self, cid: int, record: bytes, check: Check | None, *, present_only: bool = False
+    ) -> bool:
         all_ok = bool(self._read_record(self.me, cid)[1])
         for rank in range(self.size):
             if rank == self.me:
                 continue
-            their_cid, ok, theirs, _gen = self._read_record(rank, cid)
+            their_cid, ok, theirs, _gen, _slot = self._read_record(rank, cid)
             if their_cid != cid and present_only:
                 continue
             if their_cid != cid:
                 raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
             if theirs != record:
-                self._mismatch(rank, cid, record, theirs)
+                self._mismatch(rank, cid, theirs, check)
             all_ok = all_ok and ok
         return all_ok
 
-    def _mismatch(self, rank: int, cid: int, mine: bytes, theirs: bytes) -> None:
-        decode = self.decode_record
-        if decode is not None:
-            conflict = decode(mine, theirs)
-            if conflict is None:
+    def _mismatch(self, rank: int, cid: int, theirs: bytes, check: Check | None) -> None:
+        peer = self.peers[rank].rank
+        if check is not None:
+            error = check(peer, theirs)
+            if error is None:
                 return  # byte-different but compatible (fields unknown to one side)
-        else:
-            conflict = "a different collective or different arguments"
-        me, peer = self.peers[self.me].rank, self.peers[rank].rank
+            raise error
+        me = self.peers[self.me].rank
         raise CollectiveMismatchError(
-            f"collective #{cid}: rank {me} and rank {peer} disagree: {conflict}; every rank "
-            "must call the same collectives in the same order with the same dtype, shape, "
-            "op, root and algorithm",
+            f"collective #{cid}: rank {me} and rank {peer} called different collectives "
+            "or passed different arguments; every rank must make the same calls in the "
+            "same order",
             ranks=(me, peer),
             rank=me,
             epoch=self.epoch,
             cid=cid,
         )
-
-    #: (mine, theirs) -> None if compatible, else a description (set by the user of the link)
-    decode_record: Callable[[bytes, bytes], str | None] | None = None
 
     # -- closing ----------------------------------------------------------------------------
 
