@@ -30,7 +30,6 @@ generation it mapped into its own control segment), so a crash leaves no file be
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
+from .shm_records import Record, find_record, write_record
 from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
 from .shm_wake import Waker
 
@@ -56,9 +56,6 @@ FAILED = 255
 _PHASES = 256
 # control words (int64)
 W_MAGIC, W_PROGRESS, W_LAST_OK, W_GEN, W_DATA_BYTES, W_SLEEPING = 0, 1, 2, 3, 4, 5
-RECORD_BYTES = 512  # two entry records by cid parity, at byte 128 and 640
-RECORD_AT = (128, 640)
-FP_MAX = RECORD_BYTES - 32
 MAPPED = 1280 // 8  # word index: MAPPED + j = generation of rank j's data this rank mapped
 MAX_LOCAL = (HEADER_BYTES - 1280) // 8
 MIN_DATA_BYTES = 256 << 10
@@ -381,25 +378,20 @@ class ShmLink:
         return at > cid or (at == cid and step == FAILED) or int(words[W_LAST_OK]) >= cid
 
     def _write_record(self, cid: int, record: bytes, ok: bool) -> None:
-        if len(record) > FP_MAX:
-            record = b"#" + hashlib.blake2b(record, digest_size=32).digest()
-        at = RECORD_AT[self._slot]
-        raw = np.frombuffer(self._control[self.me].map, np.uint8)  # type: ignore[union-attr]
-        head = raw[at : at + 32].view(np.int64)
-        head[0], head[1], head[2], head[3] = cid, int(ok), len(record), self._gens[self.me]
-        raw[at + 32 : at + 32 + len(record)] = np.frombuffer(record, np.uint8)
+        control = self._control[self.me]
+        assert control is not None
+        write_record(control.map, self._slot, Record(cid, ok, record, self._gens[self.me]))
 
     def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int, int]:
         """(cid, ok, fingerprint bytes, data generation, slot) of rank's entry record for
         call cid; cid -1 and slot -1 when it has none."""
-        raw = np.frombuffer(self._control[rank].map, np.uint8)  # type: ignore[union-attr]
-        for slot, at in enumerate(RECORD_AT):
-            head = raw[at : at + 32].view(np.int64)
-            if int(head[0]) == cid:
-                length = min(int(head[2]), FP_MAX + 1)
-                fp = raw[at + 32 : at + 32 + length].tobytes()
-                return cid, bool(head[1]), fp, int(head[3]), slot
-        return -1, False, b"", 0, -1
+        control = self._control[rank]
+        assert control is not None
+        found = find_record(control.map, cid)
+        if found is None:
+            return -1, False, b"", 0, -1
+        slot, rec = found
+        return rec.cid, rec.ok, rec.fingerprint, rec.gen, slot
 
     def _check_records(
         self, cid: int, record: bytes, check: Check | None, *, present_only: bool = False
