@@ -144,7 +144,14 @@ class ShmLink:
             delay = min(delay * 2, 5e-3)
 
     def _map_control(self, rank: int) -> None:
-        seg = Segment.open(self._name(rank, "c"))
+        try:
+            seg = Segment.open(self._name(rank, "c"))
+        except PermissionError:
+            raise ProtocolError(
+                f"cannot open the shared memory of rank {self.peers[rank].rank} on this host "
+                "(does it run as another user?); run every rank of a host as one user, or "
+                "set DSML_SHM=0"
+            ) from None
         if seg is None or seg.size < CONTROL_BYTES:
             return
         words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
