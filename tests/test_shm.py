@@ -126,8 +126,9 @@ def _reduce_worker(tag: str, rank: int, inbox: Any, results: Any, cases: list[An
 def test_all_reduce_shm_between_processes_is_exact_small_large_and_in_pieces(
     tag: str, world: int
 ) -> None:
-    # 100 elements: inline; 40_000: one piece; 300_001: several pieces of the 64 KiB stage
+    # 100, 40_000 elements: inline; 300_001, 400_000: several pieces of the 64 KiB stage
     cases = [(100, "int64", "sum"), (40_000, "float32", "max"), (300_001, "int32", "sum")]
+    cases += [(400_000, "float32", "max"), (300_000, "float64", "avg")]
     cases += [(0, "float64", "sum"), (5000, "float64", "avg"), (1, "int8", "min")]
     inboxes = [CTX.Queue() for _ in range(world)]
     results = CTX.Queue()
@@ -217,9 +218,12 @@ def test_kill_9_of_ranks_mid_operation_twenty_times_leaves_no_segment_behind(tag
 async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: int) -> None:
     async with open_local_cluster(world) as comms:
         assert all(c._shm.plane.all_local for c in comms)
-        for n, dtype, op in [(0, "int32", "sum"), (7, "int64", "prod"), (70_000, "float32", "max")]:
+        cases = [(0, "int32", "sum"), (7, "int64", "prod"), (70_000, "float32", "max")]
+        for n, dtype, op in [*cases, (600_000, "int32", "min")]:
             xs = [(np.arange(n) % 5 + r + 1).astype(dtype) for r in range(world)]
-            expected = {"sum": np.sum, "prod": np.prod, "max": np.max}[op](xs, axis=0)
+            expected = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}[op](
+                xs, axis=0
+            )
             await asyncio.gather(*(c.all_reduce(x, op) for c, x in zip(comms, xs, strict=True)))
             for x in xs:
                 np.testing.assert_array_equal(x, expected.astype(dtype))
@@ -256,7 +260,7 @@ async def test_without_room_in_dev_shm_large_arrays_go_over_tcp_with_one_warning
     async with open_local_cluster(2, config=config) as comms:
         with caplog.at_level(logging.WARNING, logger="dsml.shm"):
             for _ in range(2):
-                xs = [np.full(1 << 18, r + 1, np.int32) for r in range(2)]  # 1 MiB
+                xs = [np.full(1 << 20, r + 1, np.int32) for r in range(2)]  # 4 MiB
                 await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
                 assert all((x == 3).all() for x in xs)
         warnings = [r for r in caplog.records if "/dev/shm" in r.getMessage()]

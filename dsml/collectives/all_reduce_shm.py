@@ -2,10 +2,10 @@
 
 Two schedules, chosen by size (the same on every rank):
 
-* small (the whole array fits an inline area): every rank writes its input into its
-  inline area, one sync, and every rank reduces the whole array itself, reading the
-  peers' inline areas in rank order, straight into `dst`. One sync, P x n reads per rank;
-  the same inputs in the same order give every rank the same bits.
+* small (the whole array fits an inline area, and P x n <= 4 MiB): every rank writes
+  its input into its inline area, one sync, and every rank reduces the whole array
+  itself, reading the peers' inline areas in rank order, straight into `dst`. One sync,
+  P x n reads per rank; the same inputs in the same order give every rank the same bits.
 * large: slices, as in a reduce-scatter + all-gather. Rank r owns slice r. For each piece
   (the staging area bounds how much of the input is in shared memory at once): every rank
   copies its input's slices j != r of this piece into its staging area (P-1 slots at
@@ -45,13 +45,15 @@ _UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.MAX: np.maximum,
 }
 BLOCK_BYTES = 256 << 10  # reduce in blocks that stay in L2 while the inputs stream past
+#: the small schedule reads every rank's whole input: worth a sync less up to this much
+SMALL_READ_BYTES = 4 << 20
 
 
 async def all_reduce_shm(
     group: ShmGroup, src: Array, dst: Array, op: ReduceOp, stage_bytes: int
 ) -> bool:
     """dst = reduction over the host's ranks of src; False if it could not run here."""
-    if src.nbytes <= group.inline_bytes:
+    if src.nbytes <= group.inline_bytes and src.nbytes * group.size <= SMALL_READ_BYTES:
         return await _small(group, src, dst, op)
     return await _large(group, src, dst, op, stage_bytes)
 

@@ -49,7 +49,7 @@ __all__ = ["FAILED", "Check", "LinkPeer", "ShmLink"]
 Check = Callable[[int, bytes], BaseException | None]
 
 HEADER_BYTES = 4096
-INLINE_BYTES = 64 << 10  # two inline areas (one per record slot) for small calls
+INLINE_BYTES = 1 << 20  # two inline areas (one per record slot) for small calls
 CONTROL_BYTES = HEADER_BYTES + 2 * INLINE_BYTES
 MAGIC = 0x6473_6D6C_7368_6D31  # "dsmlshm1"
 FAILED = 255
