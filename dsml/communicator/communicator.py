@@ -82,7 +82,10 @@ class Communicator:
         self._registry.start_heartbeats(self._progress)
 
     def _fail(self, exc: BaseException) -> None:
-        """A bug in this communicator's own machinery: fail every call, now and later."""
+        """A bug in this communicator's own machinery: fail every call, now and later, and
+        tell the peers (as a goodbye with the error), so that theirs fail too."""
+        if self._runner.broken is None:
+            self._links.say_goodbye(self._table.next_cid - 1, f"internal error: {exc!r}")
         self._runner.fail(
             CollectiveAbortedError(
                 f"the communicator of rank {self._links.rank} failed on an internal error "

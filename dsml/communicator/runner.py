@@ -116,7 +116,9 @@ class Runner:
         """The communicator is broken: fail every call in flight, and every later one."""
         if self.broken is None:
             self.broken = error
-        self._table.fail_all(lambda _call: error)
+        for call in [*self._table.calls.values(), *self._table.receives]:
+            if call.fail(error) and call.cid:  # a collective: its peers must not wait for it
+                self._table.abort(call, "failed", f"rank {self._table.rank} failed: {error}")
 
     # -- collectives ------------------------------------------------------------------------
 

@@ -119,6 +119,7 @@ def _transition(event: str) -> Callable[[F], F]:
 
     return wrap
 
+
 _LOCAL_VERDICT_S = 1.0  # a dropped peer the registry has not ruled on: lost after this
 
 
@@ -329,7 +330,7 @@ class ViewChanges:
                 await self._install(await self._newer_view())
                 continue
             if self._transitions and cid >= self._transitions[0][0]:
-                _boundary, view = self._transitions.pop(0)
+                _boundary, view = self._transitions[0]  # _apply takes it off the list
                 await self._install(view)
                 if self.interrupt_on_join:
                     raise MembershipChangedError(
@@ -417,6 +418,8 @@ class ViewChanges:
         )
         self.table.enter(view)
         self.links.enter(view)
+        if self._transitions and self._transitions[0][1] is view:
+            self._transitions.pop(0)  # the agreed join this install completes
         self.installed += 1
         if self._broken is not None and self._broken.epoch < view.epoch:
             self._broken = None

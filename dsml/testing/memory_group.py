@@ -156,7 +156,8 @@ class MemoryGroup:
         meta: dict[str, Any] | None = None,
         lane: Lane = Lane.DATA,
     ) -> Sent:
-        assert 0 <= peer < self.size and peer != self._rank, f"bad peer {peer}"
+        assert 0 <= peer < self.size, f"no rank {peer}"
+        assert peer != self._rank, "a rank does not send to itself"
         data = bytes(payload) if payload is not None else b""  # a copy, as on the wire
         self.network.deliver(self._rank, peer, lane, (step, chunk, self.label, data, meta))
         await asyncio.sleep(0)  # let others run, as a real send may
