@@ -84,9 +84,9 @@ class Mailbox(Generic[T]):
             unless.add_done_callback(give_up)
         try:
             return await waiter
-        except BaseException:
-            # Cancelled (or failed through `unless`) after the item was handed over:
-            # put it back, nothing is lost.
+        except asyncio.CancelledError:
+            # Cancelled after the item was handed over: put it back, nothing is lost. (A
+            # failure through `unless` reaches only a waiter that had no item yet.)
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self._append(group, key, waiter.result(), front=True)
             raise
