@@ -247,8 +247,9 @@ class Communicator:
     def _start(self, request: Request) -> CollectiveHandle[Any]:
         """Start a collective on the communicator's loop: queued behind collectives pushed
         into the engine if some wait to be issued, else at once (`Runner.collective`)."""
-        if request.x is not None:  # the calling thread's CUDA stream, read in that thread
-            request = dataclasses.replace(request, caller=self._placement.caller_stream(request.x))
+        caller = self._placement.caller_stream(request.x)  # per thread: read it in this one
+        if caller is not None:
+            request = dataclasses.replace(request, caller=caller)
         return self._runner.on_loop(functools.partial(self._issue, request))
 
     def _issue(self, request: Request) -> CollectiveHandle[Any]:
