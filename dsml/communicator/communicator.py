@@ -67,7 +67,7 @@ class Communicator:
         self._runner = Runner(self._table, self._views, planner, tasks, config, loop)
         self._p2p = PointToPoint(self._table, self._placement)
         self._views.listeners.append(lambda _old, _new: self._p2p.reset())
-        self._link = EngineLink(
+        self._engine_link = EngineLink(
             self._runner, lambda: (self.rank, self.epoch), trace=config.engine_trace
         )
         links.said_goodbye = self._table.closed_after.__contains__
@@ -253,8 +253,8 @@ class Communicator:
         return self._runner.on_loop(functools.partial(self._issue, request))
 
     def _issue(self, request: Request) -> CollectiveHandle[Any]:
-        if self._link.must_queue():
-            return self._link.queue(request)
+        if self._engine_link.must_queue():
+            return self._engine_link.queue(request)
         return self._runner.collective(request)
 
     # -- point to point ---------------------------------------------------------------------
@@ -302,12 +302,12 @@ class Communicator:
     @property
     def engine(self) -> Engine:
         """This rank's dependency engine (created on first use, closed with the communicator)."""
-        return self._link.engine
+        return self._engine_link.engine
 
     @property
     def var(self) -> Var:
         """The var that orders collectives in the engine: push them with it in `mutate`."""
-        return self._link.var
+        return self._engine_link.var
 
     def push_all_reduce(
         self, tagged: Tagged[Array], op: Any = "sum", *, read: Iterable[Var] = (), **options: Any
@@ -322,7 +322,7 @@ class Communicator:
         if `tagged.var` is poisoned: it then fails the collective on every rank instead of
         leaving the ranks' collective ids out of step. `options` are all_reduce's.
         """
-        return self._link.push_collective(
+        return self._engine_link.push_collective(
             tagged,
             read,
             Request("all_reduce", tagged.data, op=op),
@@ -333,7 +333,7 @@ class Communicator:
         self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
     ) -> OpHandle[Array]:
         """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
-        return self._link.push_collective(
+        return self._engine_link.push_collective(
             tagged,
             (),
             Request("broadcast", tagged.data, root=root),
@@ -351,7 +351,7 @@ class Communicator:
         """
         if self._runner.closed:
             return
-        await self._link.aclose(cancel=cancel or error is not None)
+        await self._engine_link.aclose(cancel=cancel or error is not None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
         last = self._table.next_cid - 1
@@ -373,7 +373,7 @@ class Communicator:
         await self._links.crash()
         await self._registry.aclose(linger_s=0.0)
         await self._runner.cancel_all()
-        await self._link.aclose(cancel=True)
+        await self._engine_link.aclose(cancel=True)
         await self._tasks.cancel_all()
 
     async def __aenter__(self) -> Communicator:
