@@ -171,7 +171,7 @@ class Planner:
         """Check a call's arguments on this rank and plan it for a group of `size`.
 
         Raises `ConfigError` before anything is sent. Plans are made for numpy arrays;
-        `Placement.wrap` adapts them to device arrays.
+        `Placement.place` adapts them to device arrays.
         """
         name = request.collective
         if name == "barrier":
@@ -182,12 +182,13 @@ class Planner:
         x = request.x
         if name == "scatter" and x is None:
             raise ConfigError(f"scatter: the root (rank {root}) must pass the array to scatter")
-        make = getattr(self, f"_{name}")
+        x, on_device = self._placement.place(x, request.caller)
+        plan: Plan = getattr(self, f"_{name}")(x, request, rank, size, root)
+        if on_device is None:
+            return plan
         is_root = rank == root
-        return self._placement.wrap(
-            x,
-            lambda a: make(a, request, rank, size, root),
-            request.caller,
+        return on_device.adapt(
+            plan,
             needs_input=not (name == "broadcast" and not is_root),  # the others receive all
             writes_back=not (name == "broadcast" and is_root),  # the root's x is unchanged
         )
