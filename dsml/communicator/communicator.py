@@ -68,7 +68,7 @@ class Communicator:
         self._p2p = PointToPoint(self._table, self._placement)
         self._views.listeners.append(lambda _old, _new: self._p2p.reset())
         self._engine_link = EngineLink(
-            self._runner, lambda: (self.rank, self.epoch), trace=config.engine_trace
+            self._runner, self._start, lambda: (self.rank, self.epoch), trace=config.engine_trace
         )
         links.said_goodbye = self._table.closed_after.__contains__
         links.on_bug = tasks.on_crash = self._fail
@@ -310,7 +310,13 @@ class Communicator:
         return self._engine_link.var
 
     def push_all_reduce(
-        self, tagged: Tagged[Array], op: Any = "sum", *, read: Iterable[Var] = (), **options: Any
+        self,
+        tagged: Tagged[Array],
+        op: Any = "sum",
+        *,
+        read: Iterable[Var] = (),
+        algorithm: str = "auto",
+        timeout: float | None = None,
     ) -> OpHandle[Array]:
         """Push `all_reduce(tagged.data, op)` into the engine; returns the op's handle.
 
@@ -320,13 +326,13 @@ class Communicator:
         so later readers of the data see the result. Collectives are thus issued in push
         order on every rank yet several can be in flight. The first op takes its turn even
         if `tagged.var` is poisoned: it then fails the collective on every rank instead of
-        leaving the ranks' collective ids out of step. `options` are all_reduce's.
+        leaving the ranks' collective ids out of step. `algorithm` and `timeout` are
+        all_reduce's.
         """
         return self._engine_link.push_collective(
             tagged,
             read,
-            Request("all_reduce", tagged.data, op=op),
-            lambda: self.all_reduce(tagged.data, op, **options),
+            Request("all_reduce", tagged.data, op=op, algorithm=algorithm, timeout=timeout),
         )
 
     def push_broadcast(
@@ -336,8 +342,7 @@ class Communicator:
         return self._engine_link.push_collective(
             tagged,
             (),
-            Request("broadcast", tagged.data, root=root),
-            lambda: self.broadcast(tagged.data, root, timeout=timeout),
+            Request("broadcast", tagged.data, root=root, timeout=timeout),
         )
 
     # -- lifecycle --------------------------------------------------------------------------

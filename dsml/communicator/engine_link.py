@@ -33,9 +33,15 @@ class EngineLink:
     """A communicator's engine, its ordering var, and pushed or queued collectives."""
 
     def __init__(
-        self, runner: Runner, where: Callable[[], tuple[int, int]], *, trace: bool = False
+        self,
+        runner: Runner,
+        start: Callable[[Request], CollectiveHandle[Any]],
+        where: Callable[[], tuple[int, int]],
+        *,
+        trace: bool = False,
     ) -> None:
         self._runner = runner
+        self._start = start  # the communicator's: how a pushed collective is started
         self._trace = trace
         self._where = where  # (rank, epoch), for names and errors
         self._engine: Engine | None = None
@@ -64,13 +70,8 @@ class EngineLink:
         tagged: Tagged[Array],
         read: Iterable[Var],
         request: Request,
-        start: Callable[[], CollectiveHandle[Array]],
     ) -> OpHandle[Array]:
-        """Push an issue op (mutates tagged.var and comm.var) and a completion op.
-
-        `request` describes the call (for the peers' error if this rank cannot make it);
-        `start` makes it.
-        """
+        """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
         started: list[CollectiveHandle[Array] | BaseException] = []
         name = f"{request.collective}({tagged.var.name})"
 
@@ -81,7 +82,7 @@ class EngineLink:
                 started.append(op.blocked)
                 return
             try:
-                started.append(start())
+                started.append(self._start(request))
             except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 started.append(exc)
 
