@@ -80,7 +80,7 @@ class CallTable:
     def enter(self, view: View) -> None:
         """A new view: ids start again at 1; what belonged to the old epoch is dropped.
 
-        Calls of the previous epoch must be over (the view keeper waits for them).
+        Calls of the previous epoch must be over (`ViewChanges` waits for them).
         """
         self.next_cid = 1
         self.closed_after.clear()

@@ -216,3 +216,29 @@ async def test_a_rank_that_never_calls_makes_the_others_time_out_not_hang():
     outcomes = await MemoryNetwork(3).run(run, timeout=0.2)
     assert outcomes[2] is None
     assert any(isinstance(o, CollectiveTimeoutError) for o in outcomes[:2]), outcomes
+
+
+@pytest.mark.parametrize("collective", ["broadcast", "all_gather", "reduce_scatter"])
+async def test_a_rank_dying_mid_collective_fails_the_others_instead_of_hanging(collective):
+    size = 4
+    net = MemoryNetwork(size, chunk_bytes=CHUNK)
+    net.kill(0, after_sends=1)  # the root of the broadcast, rank 0 elsewhere
+    data = np.arange(200, dtype=np.int64)
+    spans = split_spans(200, size)
+
+    async def run(g):
+        if collective == "broadcast":
+            buf = data.copy() if g.rank == 0 else np.zeros_like(data)
+            await broadcast_tree(g, NUMPY, buf, 0)
+            return buf
+        if collective == "all_gather":
+            return await all_gather_direct(g, NUMPY, data, len(data), ())
+        out = np.zeros_like(data)
+        await reduce_scatter_ring(g, NUMPY, data, out, check_op("sum", "int64"), spans)
+        return out
+
+    outcomes = await net.run(run, timeout=5.0)
+    # Every rank needs some of rank 0's data, which stopped after one message: all fail
+    # (rank 0 at its next send), none waits for the timeout, none returns a partial result.
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, PeerLostError), f"rank {rank}: {outcome!r}"
