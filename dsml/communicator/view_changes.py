@@ -22,103 +22,32 @@ A dropped connection to a peer (seen by the transport's socket monitor) counts a
 here at once and is reported to the registry, which checks it and publishes the new view.
 
 The states a rank can be in and the events that move it are named in `ViewState` and
-`TRANSITIONS` below (a diagram is in docs/architecture.md). Every event handler records the
-transition it made in `history`; a transition the table does not list is a bug and is
-logged as an error (tests/unit/test_view_changes.py drives each one without sockets).
+`TRANSITIONS` (view_states.py; a diagram is in docs/architecture.md). Every event handler
+records the transition it made in `history`; a transition the table does not list is a
+bug and is logged as an error (tests/unit/test_view_changes.py drives each one).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import functools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from ..errors import EvictedError, MembershipChangedError, PeerLostError
 from ..membership import Change, RegistryClient, View
 from .call import Call
 from .call_table import CallTable
 from .links import PeerLinks
+from .view_states import TRANSITIONS, ViewState, transition
 
 __all__ = ["TRANSITIONS", "ViewChanges", "ViewListener", "ViewState"]
 
 log = logging.getLogger("dsml.communicator")
 
 ViewListener = Callable[[View, View], Any]
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class ViewState(enum.Enum):
-    """Where one rank stands with respect to changes of the group."""
-
-    JOINING = "joining"  # no view installed yet
-    STEADY = "steady"  # calls run at once in the installed view
-    JOIN_PROPOSED = "join proposed"  # the registry asked where we are; calls from there wait
-    JOIN_AGREED = "join agreed"  # a boundary is agreed: the call there installs the new view
-    MEMBER_LEFT = "member left"  # calls up to the leaver's last run; the next fails once
-    MEMBER_LOST = "member lost"  # calls in flight failed; the next waits for the new view
-    EVICTED = "evicted"  # this rank was declared dead: every call fails (final)
-
-
-S = ViewState
-_ANY = frozenset(ViewState) - {S.JOINING, S.EVICTED}
-_BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST})
-
-#: event -> state before -> the states it may lead to. Everything not listed is a bug.
-TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
-    # the first view, from `dsml.init`
-    "formed": {S.JOINING: frozenset({S.STEADY})},
-    # the registry's new view: members lost or left (no boundary), or joiners admitted
-    # (a boundary agreed); a view no newer than what we know changes nothing
-    "view": {
-        **{s: frozenset({s, S.MEMBER_LOST, S.MEMBER_LEFT, S.JOIN_AGREED}) for s in _ANY},
-        S.EVICTED: frozenset({S.EVICTED}),
-    },
-    # the registry proposes to admit joiners: say where we are, hold calls from there on
-    "proposal": {
-        **{s: frozenset({s, S.JOIN_PROPOSED}) for s in _ANY},
-        S.EVICTED: frozenset({S.EVICTED}),
-    },
-    # a restarted registry asks us to register again: its proposal died with it
-    "registry back": {
-        **{s: frozenset({s}) for s in _ANY},
-        S.JOIN_PROPOSED: frozenset({S.STEADY}),
-        S.EVICTED: frozenset({S.EVICTED}),
-    },
-    # a peer's connection dropped and the registry did not rule in time
-    "peer dropped": {
-        **{s: frozenset({s, S.MEMBER_LOST}) for s in _ANY},
-        S.EVICTED: frozenset({S.EVICTED}),
-    },
-    # this rank was declared dead (an eviction of an older epoch changes nothing)
-    "evicted": {**{s: frozenset({s, S.EVICTED}) for s in _ANY}, S.EVICTED: frozenset({S.EVICTED})},
-    # a call boundary installed the next view (after a loss, a leave or an agreed join)
-    "installed": {
-        s: frozenset({S.STEADY, S.JOIN_PROPOSED, S.JOIN_AGREED, S.MEMBER_LOST, S.MEMBER_LEFT})
-        for s in {S.JOIN_AGREED, *_BROKEN}
-    },
-}
-
-
-def _transition(event: str) -> Callable[[F], F]:
-    """Record the state change an event handler makes, and check it against the table."""
-
-    def wrap(handler: F) -> F:
-        @functools.wraps(handler)
-        def handle(self: ViewChanges, *args: Any) -> Any:
-            before = self.state
-            result = handler(self, *args)
-            self._moved(event, before)
-            return result
-
-        return handle  # type: ignore[return-value]
-
-    return wrap
-
 
 _LOCAL_VERDICT_S = 1.0  # a dropped peer the registry has not ruled on: lost after this
 
@@ -162,25 +91,19 @@ class ViewChanges:
     def state(self) -> ViewState:
         """The state this rank is in (derived from what it knows; see `TRANSITIONS`)."""
         if self._evicted is not None:
-            return S.EVICTED
+            return ViewState.EVICTED
         if self.links.view is None:
-            return S.JOINING
+            return ViewState.JOINING
         broken = self._broken
         if broken is not None and broken.epoch == self.links.epoch:
-            return S.MEMBER_LEFT if broken.only_left else S.MEMBER_LOST
+            return ViewState.MEMBER_LEFT if broken.only_left else ViewState.MEMBER_LOST
         if self._transitions:
-            return S.JOIN_AGREED
+            return ViewState.JOIN_AGREED
         if self._gate is not None:
-            return S.JOIN_PROPOSED
-        return S.STEADY
+            return ViewState.JOIN_PROPOSED
+        return ViewState.STEADY
 
-    def _moved(self, event: str, before: ViewState) -> None:
-        after = self.state
-        self.history.append((event, before, after))
-        if after not in TRANSITIONS[event].get(before, frozenset()):
-            log.error("view change %r led from %s to %s: not in TRANSITIONS", event, before, after)
-
-    @_transition("formed")
+    @transition("formed")
     def install_first(self, view: View) -> None:
         """Install the view this rank joined with (no calls exist yet)."""
         self.table.enter(view)
@@ -189,7 +112,7 @@ class ViewChanges:
 
     # -- the registry's news ------------------------------------------------------------------
 
-    @_transition("view")
+    @transition("view")
     def on_view(self, view: View, change: Change) -> None:
         if self._evicted is not None or view.epoch <= self._newest_epoch():
             return
@@ -214,7 +137,7 @@ class ViewChanges:
             epoch, next_cid = view.epoch, max(next_cid, boundary) - boundary + 1
         return epoch, next_cid
 
-    @_transition("proposal")
+    @transition("proposal")
     def on_propose(self, epoch: int) -> None:
         if self._evicted is not None:
             return
@@ -225,7 +148,7 @@ class ViewChanges:
         self._gate = (base, next_cid)
         self.registry.ready(epoch, next_cid)
 
-    @_transition("evicted")
+    @transition("evicted")
     def on_evicted(self, epoch: int, reason: str) -> None:
         if self._evicted is not None or epoch <= self.links.epoch:
             return
@@ -238,7 +161,7 @@ class ViewChanges:
         self.table.fail_all(lambda call: self._evicted_error(call))
         self._wake()
 
-    @_transition("registry back")
+    @transition("registry back")
     def on_reregister(self) -> None:
         self._gate = None  # the proposal died with the registry that made it
         self._wake()
@@ -256,7 +179,7 @@ class ViewChanges:
         loop = asyncio.get_running_loop()
         loop.call_later(_LOCAL_VERDICT_S, self._lost_locally, member_id, view.epoch)
 
-    @_transition("peer dropped")
+    @transition("peer dropped")
     def _lost_locally(self, member_id: str, epoch: int) -> None:
         view = self.links.view
         rank = view.rank_of(member_id) if view is not None else None
@@ -403,7 +326,7 @@ class ViewChanges:
             await asyncio.sleep(0)  # let the calls' done callbacks forget them
         self._apply(view)
 
-    @_transition("installed")
+    @transition("installed")
     def _apply(self, view: View) -> None:
         old = self.links.view
         assert old is not None

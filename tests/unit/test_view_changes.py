@@ -8,7 +8,8 @@ import pytest
 
 from dsml.communicator.call import Call
 from dsml.communicator.call_table import CallTable
-from dsml.communicator.view_changes import TRANSITIONS, ViewChanges, ViewState
+from dsml.communicator.view_changes import ViewChanges
+from dsml.communicator.view_states import TRANSITIONS, ViewState
 from dsml.errors import EvictedError, PeerLostError
 from dsml.membership import Change
 from dsml.wire import Fingerprint
