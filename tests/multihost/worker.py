@@ -7,7 +7,8 @@ set the variables; this script passes nothing to `dsml.init()`. Each call reduce
 `arange(n) * (rank + 1)` (float64, integer-valued, so every summation order is exact) and
 checks the result against `arange(n) * P(P+1)/2`. Prints one JSON line per event:
 
-  joined {rank, size, host, address, pid}   address: this rank's advertised endpoint
+  joined {rank, size, host, address, pid, env}   address: this rank's advertised endpoint;
+                                             env: the launcher's rank variables
   ok     {i, rank, exact}
   lost   {i, error, t}                       --until-lost: a PeerLostError ended call i
                                              (t: time.time() when it was raised)
@@ -27,6 +28,8 @@ import time
 import numpy as np
 
 import dsml
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODEID")
 
 
 def emit(event: str, **fields: object) -> None:
