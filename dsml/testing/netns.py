@@ -21,6 +21,12 @@ cleaning up, by the next run). It needs root, `ip` and `tc` (iproute2), and `nse
         procs = [h.popen(["python", "worker.py", h.address]) for h in hosts]
         hosts.set_rate("1gbit")                   # every link; or hosts[2].set_rate(...)
         print(hosts[0].run(["ip", "addr"]).stdout)
+        print(measure_rate(hosts[0], hosts[1]) / 1e9, "Gbit/s")
+
+From a benchmark (benchmarks/*.py, run as root from the repository root with dsml
+importable: installed, or `PYTHONPATH=$PWD`), import it the same way; `unavailable_reason()`
+tells a script what to say instead of running. Tests use the fixture in
+tests/harness/netns.py (`hosts`, in tests/multihost).
 
 Commands run through `nsenter --net` plus a private UTS and mount namespace (for the host
 name and `/etc/hosts`), not `ip netns exec`, which also remounts `/sys`. Nothing in dsml
@@ -37,13 +43,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["Host", "NetnsError", "NetnsHosts", "leftover_namespaces", "netns_hosts"]
-__all__ += ["unavailable_reason"]
+__all__ += ["measure_rate", "tbf_args", "unavailable_reason"]
 
 SUBNET = "10.217.44"  # a private /24, configured only inside the namespaces made here
 _PREFIX = "dsmlnet"
@@ -312,6 +319,44 @@ class NetnsHosts(Sequence[Host]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SINK = """
+import socket, sys, time
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+conn, _ = server.accept()
+buf, total, start = bytearray(1 << 20), 0, None
+while n := conn.recv_into(buf):
+    start = start or time.perf_counter()
+    total += n
+print(total, time.perf_counter() - (start or time.perf_counter()), flush=True)
+"""
+_SOURCE = """
+import socket, sys
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+chunk = bytes(1 << 20)
+for _ in range(int(sys.argv[3]) >> 20):
+    conn.sendall(chunk)
+conn.close()
+"""
+
+
+def measure_rate(src: Host, dst: Host, n_bytes: int = 256 << 20, port: int = 5201) -> float:
+    """Bits per second one TCP stream carries from `src` to `dst` (an iperf-like probe).
+
+    Timed at the receiver from its first byte to the end of the stream, so connection
+    set-up is left out; `n_bytes` is rounded down to whole MiB. Runs `sys.executable`.
+    """
+    python = sys.executable
+    sink = dst.popen([python, "-c", _SINK, str(port)], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None
+    if sink.stdout.readline().strip() != "ready":
+        raise NetnsError(f"the receiver on {dst.name} did not start")
+    src.run([python, "-c", _SOURCE, dst.address, str(port), str(n_bytes)], timeout=300.0)
+    total, seconds = sink.stdout.readline().split()
+    sink.wait(timeout=10.0)
+    return int(total) * 8 / float(seconds)
 
 
 def _kill_group(proc: subprocess.Popen[Any]) -> None:

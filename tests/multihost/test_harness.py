@@ -12,7 +12,13 @@ import subprocess
 
 import pytest
 
-from dsml.testing.netns import NetnsHosts, leftover_namespaces, netns_hosts, tbf_args
+from dsml.testing.netns import (
+    NetnsHosts,
+    leftover_namespaces,
+    measure_rate,
+    netns_hosts,
+    tbf_args,
+)
 from tests.harness.netns import PYTHON, Procs, child_env, open_hosts
 
 pytestmark = pytest.mark.multiprocess
@@ -45,6 +51,13 @@ def test_each_host_has_its_name_address_and_a_tbf_shaped_link_both_ways(hosts: N
     hosts[2].set_rate("10gbit")
     assert "rate 10Gbit" in hosts[2].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
     assert "rate 1Gbit" in hosts[1].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+
+
+def test_a_1gbit_link_carries_no_more_than_1gbit_per_second(hosts: NetnsHosts):
+    # An upper bound only: a loaded machine can make the stream slower, never faster.
+    rate = measure_rate(hosts[0], hosts[1], n_bytes=32 << 20)
+    print(f"h0 -> h1 at 1gbit: {rate / 1e9:.3f} Gbit/s")
+    assert 0 < rate < 1.1e9
 
 
 def test_hosts_reach_each_other_by_name_over_the_bridge(hosts: NetnsHosts):

@@ -10,8 +10,9 @@ checks the result against `arange(n) * P(P+1)/2`. Prints one JSON line per event
   joined {rank, size, host, address, pid, env}   address: this rank's advertised endpoint;
                                              env: the launcher's rank variables
   ok     {i, rank, exact}
-  lost   {i, error, t}                       --until-lost: a PeerLostError ended call i
-                                             (t: time.time() when it was raised)
+  lost   {i, error, lost, t}                 --until-lost: a PeerLostError ended call i
+                                             (lost: its ranks; t: time.time() then)
+  error  {i, type, error}                    any other dsml error (exit code 1)
   done   {i}
 """
 
@@ -57,8 +58,11 @@ async def main(args: argparse.Namespace) -> int:
             try:
                 await comm.all_reduce(x)
             except dsml.PeerLostError as exc:
-                emit("lost", i=i, error=str(exc), t=time.time())
+                emit("lost", i=i, error=str(exc), lost=list(exc.lost), t=time.time())
                 return 0
+            except dsml.DsmlError as exc:
+                emit("error", i=i, type=type(exc).__name__, error=str(exc))
+                return 1
             emit("ok", i=i, rank=rank, exact=bool(np.array_equal(x, expected)))
         emit("done", i=i)
     return 0

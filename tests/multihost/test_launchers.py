@@ -1,0 +1,142 @@
+"""Launcher variables alone form one group across four namespaced hosts.
+
+Each host runs its own processes with only what a launcher would set there: no DSML_*
+variable and no DSML_BIND, so `dsml.init()` must find the registry from the launcher's
+variables and bind the interface that routes to it (the hosts' loopbacks are separate).
+Every rank reduces integer-valued arrays and checks the exact sum (tests/multihost/worker.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from dsml.testing.netns import NetnsHosts
+from tests.harness.netns import PYTHON, Proc, Procs, child_env
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = [PYTHON, "tests/multihost/worker.py"]
+PORT = "29500"  # inside the test's own namespaces: no other run can hold it
+
+
+def check_group(workers: list[Proc], procs: Procs, ranks: list[int], world: int) -> None:
+    """Every worker joined one group of `world` with its expected rank; sums exact."""
+    procs.wait_until(lambda: all(w.of("done") for w in workers), "every rank done")
+    joined = [w.of("joined")[0] for w in workers]
+    assert [j["rank"] for j in joined] == ranks, procs.report()
+    assert {j["size"] for j in joined} == {world}
+    for worker, event in zip(workers, joined, strict=True):
+        assert event["host"] == worker.host.name
+        if event["address"] is not None:  # advertised on the host's own interface
+            assert event["address"].startswith(f"tcp://{worker.host.address}:"), event
+        assert [e["exact"] for e in worker.of("ok")] == [True, True], procs.report()
+
+
+def test_dsml_run_with_one_launcher_per_host_forms_one_group(hosts: NetnsHosts, procs: Procs):
+    registry = f"tcp://{hosts[0].address}:{PORT}"
+    launchers = [
+        procs.start(
+            host,
+            [
+                PYTHON,
+                "-m",
+                "dsml",
+                "run",
+                "-n",
+                "2",
+                "--nnodes",
+                "4",
+                "--node-rank",
+                str(host.index),
+                "--registry",
+                registry,
+                *WORKER[1:],
+                "--calls",
+                "2",
+            ],
+            child_env(),
+        )
+        for host in hosts
+    ]
+    assert procs.wait_exit() == [0, 0, 0, 0], procs.report()
+    for launcher in launchers:
+        joined = launcher.of("joined")
+        node = launcher.host.index
+        assert sorted(j["rank"] for j in joined) == [2 * node, 2 * node + 1], procs.report()
+        assert {j["size"] for j in joined} == {8}
+        assert {j["host"] for j in joined} == {launcher.host.name}
+        assert len(launcher.of("ok")) == 4
+        assert all(e["exact"] for e in launcher.of("ok")), procs.report()
+
+
+def test_env_style_variables_alone_form_one_group(hosts: NetnsHosts, procs: Procs):
+    ranks = [2, 0, 3, 1]  # rank 0 (the registry's host) is on h1, not the first host
+    master = hosts[ranks.index(0)].address
+    workers = [
+        procs.start(
+            host,
+            [*WORKER, "--calls", "2"],
+            child_env(
+                MASTER_ADDR=master,
+                MASTER_PORT=PORT,
+                RANK=str(ranks[host.index]),
+                WORLD_SIZE="4",
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+            ),
+        )
+        for host in hosts
+    ]
+    check_group(workers, procs, ranks, 4)
+
+
+def test_slurm_style_variables_alone_form_one_group(hosts: NetnsHosts, procs: Procs):
+    # What srun -N4 -n4 would set: the registry goes to task 0 on the first node of the
+    # step (h0), reached by its name; its port is derived from the job id.
+    workers = [
+        procs.start(
+            host,
+            [*WORKER, "--calls", "2"],
+            child_env(
+                SLURM_PROCID=str(host.index),
+                SLURM_NTASKS="4",
+                SLURM_LOCALID="0",
+                SLURM_NODEID=str(host.index),
+                SLURM_STEP_NODELIST="h[0-3]",
+                SLURM_JOB_ID="4242",
+            ),
+        )
+        for host in hosts
+    ]
+    check_group(workers, procs, [0, 1, 2, 3], 4)
+
+
+def test_kill_9_of_one_hosts_rank_is_detected_on_the_other_hosts(hosts: NetnsHosts, procs: Procs):
+    workers = [
+        procs.start(
+            host,
+            [*WORKER, "--until-lost", "--mib", "4"],
+            child_env(
+                MASTER_ADDR=hosts[0].address,
+                MASTER_PORT=PORT,
+                RANK=str(host.index),
+                WORLD_SIZE="4",
+            ),
+        )
+        for host in hosts
+    ]
+    procs.wait_until(lambda: all(len(w.of("ok")) >= 2 for w in workers), "two calls on all")
+    victim, survivors = workers[2], [w for i, w in enumerate(workers) if i != 2]
+    killed_at = time.time()
+    victim.proc.send_signal(signal.SIGKILL)
+    procs.wait_until(lambda: all(w.of("lost") for w in survivors), "survivors see the loss")
+    assert victim.proc.wait(5) == -signal.SIGKILL
+    for survivor in survivors:
+        (lost,) = survivor.of("lost")
+        assert lost["lost"] == [2], procs.report()
+        assert all(e["exact"] for e in survivor.of("ok"))
+        print(f"{survivor.host.name} saw the loss after {lost['t'] - killed_at:.2f} s")
+    assert [w.proc.wait(10) for w in survivors] == [0, 0, 0], procs.report()
