@@ -42,6 +42,7 @@ async def main(args: argparse.Namespace) -> int:
     async with dsml.init() as comm:
         rank, size = comm.rank, comm.world_size
         address = getattr(comm, "address", None)
+        launcher = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
         emit(
             "joined",
             rank=rank,
@@ -49,6 +50,7 @@ async def main(args: argparse.Namespace) -> int:
             host=socket.gethostname(),
             address=address,
             pid=os.getpid(),
+            env=launcher,
         )
         expected = np.arange(n, dtype=np.float64) * (size * (size + 1) // 2)
         i = 0
