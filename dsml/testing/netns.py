@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -298,12 +299,18 @@ class NetnsHosts(Sequence[Host]):
         self.rate = rate
 
     def close(self) -> None:
-        """Kill what ran on the hosts (by process group), delete the namespaces; idempotent."""
+        """Kill what ran on the hosts, delete the namespaces; idempotent.
+
+        First each command's process group, then, by PID, anything left inside the
+        namespaces (processes that left their group, as daemons do).
+        """
         if self._closed:
             return
         self._closed = True
         for proc in self._procs:
             _kill_group(proc)
+        for name in self._made:
+            _kill_inside(name)
         errors = []
         for name in reversed(self._made):
             try:
@@ -357,6 +364,24 @@ def measure_rate(src: Host, dst: Host, n_bytes: int = 256 << 20, port: int = 520
     total, seconds = sink.stdout.readline().split()
     sink.wait(timeout=10.0)
     return int(total) * 8 / float(seconds)
+
+
+def _kill_inside(netns: str) -> None:
+    """SIGKILL every process still in `netns` (by PID), such as daemons' detached helpers.
+
+    Only processes started through this harness can be inside its namespaces.
+    """
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in _sh("ip", "netns", "pids", netns).split()]
+        except NetnsError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _kill_group(proc: subprocess.Popen[Any]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -80,15 +81,30 @@ def test_a_host_cannot_reach_the_machines_loopback(hosts: NetnsHosts):
     assert "ConnectionRefusedError" in refused.stderr
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` is alive (a zombie waiting for init to reap it is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def test_closing_removes_every_namespace_and_kills_what_ran_there():
     hosts = open_hosts(2, rate="10gbit")
     try:
         sleeper = hosts[0].popen(["sleep", "60"])
+        # A process that left the command's session, as a daemon's helpers do:
+        escaper = hosts[1].run(
+            ["sh", "-c", "setsid sleep 60 >/dev/null 2>&1 & echo $!"], timeout=10
+        )
+        escaped = int(escaper.stdout)
         made = leftover_namespaces(os.getpid())
         assert len(made) == 3, made  # two hosts and the bridge
     finally:
         hosts.close()
     assert sleeper.wait(5) == -9
+    assert not running(escaped)
     assert leftover_namespaces(os.getpid()) == []
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in made)
