@@ -94,6 +94,7 @@ def test_slurm_derives_the_port_from_the_job_and_step_and_uses_the_first_node() 
     assert plan.launcher == "slurm"
     assert (plan.rank, plan.world_size, plan.local_rank) == (5, 8, 1)
     assert plan.registry == f"tcp://n01:{20000 + (123456 % 10000) * 4 + 1}"
+    assert plan.rank0_serves  # rank 0 may start late: the others wait as long as to form
     assert slurm_port(123456, 1) == 33825
     assert plan.hosting is Hosting.NONE
 
@@ -193,6 +194,7 @@ def test_arguments_win_over_dsml_variables_which_win_over_the_launcher() -> None
     plan = resolve_rendezvous(None, None, None, env)
     assert (plan.registry, plan.world_size, plan.rank) == ("tcp://dsml:1", 4, 3)
     assert plan.hosting is Hosting.NONE  # a registry was named: nobody serves one
+    assert not plan.rank0_serves
     plan = resolve_rendezvous("tcp://arg:2", 4, 1, env)
     assert (plan.registry, plan.world_size, plan.rank) == ("tcp://arg:2", 4, 1)
 

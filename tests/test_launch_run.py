@@ -28,9 +28,16 @@ DSML = [sys.executable, "-m", "dsml"]
 
 
 def start_node(
-    node: int, port: int, script: str, *args: str, nprocs: int = 2, **env: str
+    node: int,
+    port: int,
+    script: str,
+    *args: str,
+    nprocs: int = 2,
+    options: tuple[str, ...] = (),
+    **env: str,
 ) -> subprocess.Popen[str]:
-    argv = [*DSML, "run", "-n", str(nprocs), "--nnodes", "2", "--node-rank", str(node)]
+    """`dsml run -n nprocs --nnodes 2 --node-rank node` of a script, registry at port."""
+    argv = [*DSML, "run", "-n", str(nprocs), "--nnodes", "2", "--node-rank", str(node), *options]
     return subprocess.Popen(
         [*argv, "--registry", f"tcp://127.0.0.1:{port}", str(SCRIPTS / script), *args],
         env=clean_env(**env),
@@ -184,3 +191,18 @@ async def test_rank_zeros_registry_answers_while_its_loop_is_blocked_and_closes_
         assert len(answer["status"]["members"]) == 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # closed with the communicator: the port is free again
+
+
+@pytest.mark.multiprocess
+def test_dsml_run_nnodes_with_curve_keys_forms_one_group_over_encrypted_links(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    subprocess.run([*DSML, "keys", "generate", str(keys)], check=True, capture_output=True)
+    port = free_port_pair()
+    curve = ("--curve-keys", str(keys))
+    node0 = start_node(0, port, "launch_check.py", "RANK", options=curve)
+    node1 = start_node(1, port, "launch_check.py", "RANK", options=curve)
+    (code0, out0, err0), (code1, out1, err1) = finish(node0, node1)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert_one_group(out0 + out1, 4)
