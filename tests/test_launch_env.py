@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -253,3 +255,9 @@ def test_a_registry_on_another_address_binds_the_interface_that_routes_to_it() -
         pytest.skip("this host has no IPv4 interface besides loopback")
     # A registry at one of this host's own non-loopback addresses routes from that address.
     assert choose_bind(None, None, f"tcp://{addresses[0]}:5555") == f"tcp://{addresses[0]}:0"
+
+
+def test_importing_dsml_and_its_launch_layer_does_not_import_torch() -> None:
+    code = "import sys, dsml, dsml.launch, dsml.cli.run; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
