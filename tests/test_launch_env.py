@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -94,6 +96,7 @@ def test_slurm_derives_the_port_from_the_job_and_step_and_uses_the_first_node() 
     assert plan.launcher == "slurm"
     assert (plan.rank, plan.world_size, plan.local_rank) == (5, 8, 1)
     assert plan.registry == f"tcp://n01:{20000 + (123456 % 10000) * 4 + 1}"
+    assert plan.rank0_serves  # rank 0 may start late: the others wait as long as to form
     assert slurm_port(123456, 1) == 33825
     assert plan.hosting is Hosting.NONE
 
@@ -193,6 +196,7 @@ def test_arguments_win_over_dsml_variables_which_win_over_the_launcher() -> None
     plan = resolve_rendezvous(None, None, None, env)
     assert (plan.registry, plan.world_size, plan.rank) == ("tcp://dsml:1", 4, 3)
     assert plan.hosting is Hosting.NONE  # a registry was named: nobody serves one
+    assert not plan.rank0_serves
     plan = resolve_rendezvous("tcp://arg:2", 4, 1, env)
     assert (plan.registry, plan.world_size, plan.rank) == ("tcp://arg:2", 4, 1)
 
@@ -251,3 +255,9 @@ def test_a_registry_on_another_address_binds_the_interface_that_routes_to_it() -
         pytest.skip("this host has no IPv4 interface besides loopback")
     # A registry at one of this host's own non-loopback addresses routes from that address.
     assert choose_bind(None, None, f"tcp://{addresses[0]}:5555") == f"tcp://{addresses[0]}:0"
+
+
+def test_importing_dsml_and_its_launch_layer_does_not_import_torch() -> None:
+    code = "import sys, dsml, dsml.launch, dsml.cli.run; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -87,6 +87,9 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
     config = dataclasses.replace(
         args.config, bind=choose_bind(args.bind, args.ifname, registry_address)
     )
+    if args.plan.rank0_serves:  # rank 0 may still be starting: its join request waits
+        patience = max(config.registry_timeout, config.join_timeout)
+        config = dataclasses.replace(config, registry_timeout=patience)
     member_id = secrets.token_hex(8)
     mesh = Mesh(member_id, config)
     address = advertised(mesh.bind(), toward=registry_address)

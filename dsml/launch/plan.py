@@ -45,6 +45,8 @@ class Rendezvous:
         store: torchrun's agent store (host, port), with PUBLISH and LOOKUP.
         store_key: the key the registry's address is published under.
         launcher: the launcher the settings came from, if any ("torchrun", "slurm", ...).
+        rank0_serves: the launcher's rank-0 process serves the registry, so it may not be
+            up yet when this process asks (wait as long as for the group to form).
     """
 
     registry: str | None
@@ -55,6 +57,7 @@ class Rendezvous:
     store: tuple[str, int] | None = None
     store_key: str = ""
     launcher: str | None = None
+    rank0_serves: bool = False
 
     @property
     def registry_host(self) -> str | None:
@@ -137,6 +140,7 @@ def _launcher_rendezvous(
             (host, port),
             launcher.store_key,
             launcher.launcher,
+            rank0_serves=True,
         )
     if launcher.rank == 0 and launcher.launcher == "slurm" and launcher.node_rank not in (0, None):
         raise ConfigError(
@@ -146,7 +150,9 @@ def _launcher_rendezvous(
         )
     hosting = Hosting.SERVE if launcher.rank == 0 else Hosting.NONE
     registry = f"tcp://{_bracketed(host)}:{port}"
-    return Rendezvous(registry, size, rank, local_rank, hosting, launcher=launcher.launcher)
+    return Rendezvous(
+        registry, size, rank, local_rank, hosting, launcher=launcher.launcher, rank0_serves=True
+    )
 
 
 def _bracketed(host: str) -> str:
