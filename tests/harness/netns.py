@@ -90,9 +90,10 @@ class Proc:
         for line in self.proc.stdout:
             with self._cond:
                 self.lines.append(line)
-                if line.startswith("{"):
+                start = line.find("{")  # after a "[rank N] " prefix, under dsml run
+                if start >= 0:
                     with contextlib.suppress(ValueError):
-                        self.events.append(json.loads(line))
+                        self.events.append(json.loads(line[start:]))
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()

@@ -207,17 +207,17 @@ class SlurmCluster:
         return "\n".join(parts)
 
     def close(self) -> None:
-        """Stop every daemon by PID (TERM, then KILL after 5 s); remove the directory."""
+        """Kill every daemon by PID (its process group); remove the directory.
+
+        SIGKILL at once: the cluster and its state are thrown away, and a slurmd asked
+        to stop politely may wait seconds for its steps. Step daemons (slurmstepd) leave
+        slurmd's group: `NetnsHosts.close()` kills whatever is left in the namespaces.
+        """
         for _, proc in reversed(self._daemons):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc in reversed(self._daemons):
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5.0)
+                os.killpg(proc.pid, signal.SIGKILL)
+        for _, proc in self._daemons:
+            proc.wait(timeout=10.0)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

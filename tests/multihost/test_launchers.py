@@ -8,6 +8,7 @@ Every rank reduces integer-valued arrays and checks the exact sum (tests/multiho
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -140,3 +141,39 @@ def test_kill_9_of_one_hosts_rank_is_detected_on_the_other_hosts(hosts: NetnsHos
         assert all(e["exact"] for e in survivor.of("ok"))
         print(f"{survivor.host.name} saw the loss after {lost['t'] - killed_at:.2f} s")
     assert [w.proc.wait(10) for w in survivors] == [0, 0, 0], procs.report()
+
+
+def test_a_failing_rank_is_reported_with_its_cause_by_every_hosts_launcher(
+    hosts: NetnsHosts, procs: Procs
+):
+    registry = f"tcp://{hosts[0].address}:{PORT}"
+    launchers = [
+        procs.start(
+            host,
+            [
+                PYTHON,
+                "-m",
+                "dsml",
+                "run",
+                "-n",
+                "1",
+                "--nnodes",
+                "4",
+                "--node-rank",
+                str(host.index),
+                "--registry",
+                registry,
+                "tests/scripts/fail_on_rank.py",
+            ],
+            child_env(FAIL_RANK="2"),
+        )
+        for host in hosts
+    ]
+    codes = procs.wait_exit()
+    assert all(code != 0 for code in codes), procs.report()
+    for launcher in launchers:
+        # which rank, its exit code, then the last lines it wrote: on every host
+        out = launcher.output()
+        summary = re.search(r"^dsml run: .*rank 2\b.*exit code 1.*$", out, re.MULTILINE)
+        assert summary, procs.report()
+        assert "RuntimeError: rank 2 cannot find its batch" in out[summary.end() :]
