@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +93,45 @@ def test_env_style_variables_alone_form_one_group(hosts: NetnsHosts, procs: Proc
         for host in hosts
     ]
     check_group(workers, procs, ranks, 4)
+
+
+def test_torchrun_on_two_hosts_forms_one_group_through_its_agent_store(
+    hosts: NetnsHosts, procs: Procs
+):
+    pytest.importorskip("torch", reason="torchrun comes with torch (pip install dsml[torch])")
+    torchrun = Path(PYTHON).with_name("torchrun")
+    two = list(hosts)[:2]
+    workers = [
+        procs.start(
+            host,
+            [
+                str(torchrun),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(host.index),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                hosts[0].address,
+                "--master-port",
+                PORT,
+                *WORKER[1:],
+                "--calls",
+                "2",
+            ],
+            child_env(),
+        )
+        for host in two
+    ]
+    assert procs.wait_exit(timeout=50.0) == [0, 0], procs.report()
+    for worker in workers:
+        joined = worker.of("joined")
+        node = worker.host.index
+        assert sorted(j["rank"] for j in joined) == [2 * node, 2 * node + 1], procs.report()
+        assert all(j["rank"] == int(j["env"]["RANK"]) for j in joined)
+        assert {j["size"] for j in joined} == {4}
+        assert [e["exact"] for e in worker.of("ok")] == [True] * 4, procs.report()
 
 
 def test_slurm_style_variables_alone_form_one_group(hosts: NetnsHosts, procs: Procs):

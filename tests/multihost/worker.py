@@ -34,7 +34,9 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLU
 
 
 def emit(event: str, **fields: object) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    # One write per line: ranks of one host share the pipe (torchrun), unbuffered.
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
 
 
 async def main(args: argparse.Namespace) -> int:
