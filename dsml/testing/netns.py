@@ -26,7 +26,8 @@ cleaning up, by the next run). It needs root, `ip` and `tc` (iproute2), and `nse
 From a benchmark (benchmarks/*.py, run as root from the repository root with dsml
 importable: installed, or `PYTHONPATH=$PWD`), import it the same way; `unavailable_reason()`
 tells a script what to say instead of running. Tests use the fixture in
-tests/harness/netns.py (`hosts`, in tests/multihost).
+tests/harness/netns.py (`hosts`, in tests/multihost). `python -m dsml.testing.netns
+1gbit 10gbit none` measures what one TCP stream gets through each kind of link.
 
 Commands run through `nsenter --net` plus a private UTS and mount namespace (for the host
 name and `/etc/hosts`), not `ip netns exec`, which also remounts `/sys`. Nothing in dsml
@@ -400,3 +401,29 @@ def netns_hosts(
     hosts = NetnsHosts(n_hosts, rate=rate, names=names)
     with hosts:
         yield hosts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m dsml.testing.netns [RATE ...]`: measure each shaped link (as root)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("rates", nargs="*", default=["1gbit", "10gbit", "none"])
+    parser.add_argument("--mib", type=int, default=512, help="MiB sent per measure")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"cannot build namespaced hosts: {reason}", file=sys.stderr)
+        return 2
+    for rate in args.rates:
+        shaped = None if rate == "none" else rate
+        with netns_hosts(2, rate=shaped) as hosts:
+            rates = [measure_rate(hosts[0], hosts[1], args.mib << 20) for _ in range(args.repeat)]
+        figures = " ".join(f"{r / 1e9:.3f}" for r in rates)
+        print(f"{rate:>8}: {figures} Gbit/s (one TCP stream h0 -> h1, {args.mib} MiB each)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
