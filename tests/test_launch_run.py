@@ -206,3 +206,20 @@ def test_dsml_run_nnodes_with_curve_keys_forms_one_group_over_encrypted_links(
     (code0, out0, err0), (code1, out1, err1) = finish(node0, node1)
     assert (code0, code1) == (0, 0), err0 + err1
     assert_one_group(out0 + out1, 4)
+
+
+@pytest.mark.multiprocess
+def test_a_node_launch_without_node_zeros_curve_keys_is_refused_at_once(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    subprocess.run([*DSML, "keys", "generate", str(keys)], check=True, capture_output=True)
+    port = free_port_pair()
+    node0 = start_node(0, port, "launch_check.py", "RANK", options=("--curve-keys", str(keys)))
+    try:
+        plain = start_node(1, port, "launch_check.py", "RANK")
+        [(code, out, err)] = finish(plain)
+        assert code == 2, out + err
+        assert "Pass the same --curve-keys DIR on every node" in err
+        assert "LAUNCH" not in out
+    finally:
+        node0.send_signal(signal.SIGINT)
+        finish(node0)
