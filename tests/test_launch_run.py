@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.cli.run import check_running_group
+from dsml.cli.nodes import NodeShape, link_address
+from dsml.cli.run import check_running_group, node_zero_bind
 from dsml.membership import query_status
 from dsml.testing import open_local_cluster
 from tests.test_launch_launchers import assert_one_group, clean_env, free_port, reports
@@ -223,3 +224,34 @@ def test_a_node_launch_without_node_zeros_curve_keys_is_refused_at_once(tmp_path
     finally:
         node0.send_signal(signal.SIGINT)
         finish(node0)
+
+
+async def test_rank_zero_whose_master_port_is_taken_says_to_choose_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [k for k in os.environ if k.startswith(("DSML_", "SLURM_", "PMI", "OMPI_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        for name, value in (env | {"MASTER_PORT": str(taken.getsockname()[1])}).items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(dsml.ConfigError, match="Choose another MASTER_PORT"):
+            await dsml.init()
+
+
+def test_node_shapes_give_ranks_by_node_and_refuse_impossible_ones() -> None:
+    shape = NodeShape(nnodes=3, nprocs=4, node_rank=2)
+    assert (shape.world_size, list(shape.ranks)) == (12, [8, 9, 10, 11])
+    with pytest.raises(dsml.ConfigError, match="--node-rank 3 is out of range"):
+        NodeShape(3, 4, 3)
+    assert link_address("tcp://host0:29500") == "tcp://host0:29501"
+    with pytest.raises(dsml.ConfigError, match="fixed port"):
+        link_address("ipc:///tmp/registry")
+
+
+def test_node_zero_refuses_to_serve_an_address_of_another_host() -> None:
+    with pytest.raises(dsml.ConfigError, match="not an address of this host"):
+        node_zero_bind("tcp://203.0.113.77:29500")  # TEST-NET-3: nobody's; only a bind is tried
