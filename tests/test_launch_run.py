@@ -191,7 +191,11 @@ async def test_rank_zeros_registry_answers_while_its_loop_is_blocked_and_closes_
         assert answer["status"]["formed"] is True
         assert len(answer["status"]["members"]) == 1
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # closed with the communicator: the port is free again
+        # Closed with the communicator: nobody listens there any more (SO_REUSEADDR lets
+        # the bind through connections in TIME_WAIT, never past a listening socket).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 @pytest.mark.multiprocess
