@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.cli.run import check_running_group
+from dsml.cli.nodes import NodeShape, link_address
+from dsml.cli.run import check_running_group, node_zero_bind
 from dsml.membership import query_status
 from dsml.testing import open_local_cluster
 from tests.test_launch_launchers import assert_one_group, clean_env, free_port, reports
@@ -190,7 +191,11 @@ async def test_rank_zeros_registry_answers_while_its_loop_is_blocked_and_closes_
         assert answer["status"]["formed"] is True
         assert len(answer["status"]["members"]) == 1
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # closed with the communicator: the port is free again
+        # Closed with the communicator: nobody listens there any more (SO_REUSEADDR lets
+        # the bind through connections in TIME_WAIT, never past a listening socket).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 @pytest.mark.multiprocess
@@ -206,3 +211,51 @@ def test_dsml_run_nnodes_with_curve_keys_forms_one_group_over_encrypted_links(
     (code0, out0, err0), (code1, out1, err1) = finish(node0, node1)
     assert (code0, code1) == (0, 0), err0 + err1
     assert_one_group(out0 + out1, 4)
+
+
+@pytest.mark.multiprocess
+def test_a_node_launch_without_node_zeros_curve_keys_is_refused_at_once(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    subprocess.run([*DSML, "keys", "generate", str(keys)], check=True, capture_output=True)
+    port = free_port_pair()
+    node0 = start_node(0, port, "launch_check.py", "RANK", options=("--curve-keys", str(keys)))
+    try:
+        plain = start_node(1, port, "launch_check.py", "RANK")
+        [(code, out, err)] = finish(plain)
+        assert code == 2, out + err
+        assert "Pass the same --curve-keys DIR on every node" in err
+        assert "LAUNCH" not in out
+    finally:
+        node0.send_signal(signal.SIGINT)
+        finish(node0)
+
+
+async def test_rank_zero_whose_master_port_is_taken_says_to_choose_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [k for k in os.environ if k.startswith(("DSML_", "SLURM_", "PMI", "OMPI_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        for name, value in (env | {"MASTER_PORT": str(taken.getsockname()[1])}).items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(dsml.ConfigError, match="Choose another MASTER_PORT"):
+            await dsml.init()
+
+
+def test_node_shapes_give_ranks_by_node_and_refuse_impossible_ones() -> None:
+    shape = NodeShape(nnodes=3, nprocs=4, node_rank=2)
+    assert (shape.world_size, list(shape.ranks)) == (12, [8, 9, 10, 11])
+    with pytest.raises(dsml.ConfigError, match="--node-rank 3 is out of range"):
+        NodeShape(3, 4, 3)
+    assert link_address("tcp://host0:29500") == "tcp://host0:29501"
+    with pytest.raises(dsml.ConfigError, match="fixed port"):
+        link_address("ipc:///tmp/registry")
+
+
+def test_node_zero_refuses_to_serve_an_address_of_another_host() -> None:
+    with pytest.raises(dsml.ConfigError, match="not an address of this host"):
+        node_zero_bind("tcp://203.0.113.77:29500")  # TEST-NET-3: nobody's; only a bind is tried

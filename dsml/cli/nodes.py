@@ -34,6 +34,7 @@ log = logging.getLogger("dsml.run")
 _MAX_MESSAGE_BYTES = 1 << 20
 _MAX_NODES = 1 << 14
 _TAIL_LINES = 64
+_DROPS_BEFORE_ANSWER = 5
 
 #: Called with each failure reported by another node's launcher.
 FailureSink = Callable[[Failure], None]
@@ -221,6 +222,7 @@ class NodeLink:
         self._on_failure = on_failure
         self._channel: Channel | None = None
         self._answer: asyncio.Future[Envelope] | None = None
+        self._drops = 0  # connections lost before node 0 answered
 
     async def open(self, address: str, *, timeout_s: float, curve: Any = None) -> NodeLink:
         """Say hello to node 0 and wait for its welcome.
@@ -232,12 +234,21 @@ class NodeLink:
         self._answer = asyncio.get_running_loop().create_future()
         identity = f"node{self.shape.node_rank}-{secrets.token_hex(4)}".encode()
         self._channel = Channel.connect(
-            address, identity, handler=self._dispatch, linger_s=1.0, curve=curve
+            address,
+            identity,
+            handler=self._dispatch,
+            linger_s=1.0,
+            curve=curve,
+            on_refused=self._on_refused,
+            on_disconnect=self._on_disconnect,
         )
         await self._channel.send(Envelope(Kind.LAUNCH_HELLO, body=self.shape.to_wire()))
         try:
             async with asyncio.timeout(timeout_s):
                 answer = await self._answer
+        except ConfigError:
+            await self.aclose()
+            raise
         except TimeoutError:
             await self.aclose()
             raise DsmlError(
@@ -250,6 +261,24 @@ class NodeLink:
             reason = Fields(answer.body, "LaunchRefused").get_str("reason", 4096)
             raise ConfigError(f"node 0 refused node {self.shape.node_rank}: {reason}")
         return self
+
+    def _on_refused(self, reason: str) -> None:
+        self._fail_hello(f"node 0's launcher refused the connection: {reason}")
+
+    def _on_disconnect(self) -> None:
+        """A CURVE server closes a plain client at once, again at each reconnection."""
+        self._drops += 1
+        if self._drops >= _DROPS_BEFORE_ANSWER:
+            self._fail_hello(
+                f"node 0's launcher closed the connection {self._drops} times without an "
+                "answer: is CURVE on at one end only?"
+            )
+
+    def _fail_hello(self, reason: str) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(
+                ConfigError(f"{reason}. Pass the same --curve-keys DIR on every node (or none)")
+            )
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
         if env.kind in (Kind.LAUNCH_WELCOME, Kind.LAUNCH_REFUSED):

@@ -198,7 +198,9 @@ async def launch_node(
     async with contextlib.AsyncExitStack() as stack:
         if shape.node_rank == 0:
             served = await stack.enter_async_context(_serve_registry(registry, curve))
-            board = NodeBoard(shape, launch.add_remote_failure).open(_bind_of(link), curve=curve)
+            board = NodeBoard(shape, launch.add_remote_failure).open(
+                node_zero_bind(link), curve=curve
+            )
             stack.push_async_callback(board.aclose)
             launch.on_failure = board.report
             await launch.run()
@@ -221,7 +223,7 @@ def _group_gone(registry: Registry) -> bool:
     return not status["members"] and not status["joining"]
 
 
-def _bind_of(address: str) -> str:
+def node_zero_bind(address: str) -> str:
     """Node 0 binds the address it was told it serves: HOST must be this machine."""
     host, _, port = address[len("tcp://") :].rpartition(":")
     ip = resolve_host(host, "--registry")
@@ -235,6 +237,6 @@ def _bind_of(address: str) -> str:
 
 @contextlib.asynccontextmanager
 async def _serve_registry(address: str, curve: Any) -> Any:
-    config = RegistryConfig(address=_bind_of(address), curve=curve)
+    config = RegistryConfig(address=node_zero_bind(address), curve=curve)
     async with open_registry(config=config) as registry:
         yield registry
