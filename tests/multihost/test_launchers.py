@@ -155,11 +155,13 @@ def test_slurm_style_variables_alone_form_one_group(hosts: NetnsHosts, procs: Pr
     check_group(workers, procs, [0, 1, 2, 3], 4)
 
 
-def test_kill_9_of_one_hosts_rank_is_detected_on_the_other_hosts(hosts: NetnsHosts, procs: Procs):
-    workers = [
+def start_until_lost(hosts: NetnsHosts, procs: Procs, after_lost: int) -> list[Proc]:
+    """Env-style ranks 0-3 on h0-h3 reducing until one is lost, then `after_lost` calls."""
+    loop = [*WORKER, "--until-lost", "--after-lost", str(after_lost), "--mib", "4"]
+    return [
         procs.start(
             host,
-            [*WORKER, "--until-lost", "--mib", "4"],
+            loop,
             child_env(
                 MASTER_ADDR=hosts[0].address,
                 MASTER_PORT=PORT,
@@ -169,17 +171,43 @@ def test_kill_9_of_one_hosts_rank_is_detected_on_the_other_hosts(hosts: NetnsHos
         )
         for host in hosts
     ]
+
+
+def kill_and_wait_for_loss(
+    workers: list[Proc], procs: Procs, victim: int, until: str
+) -> list[Proc]:
+    """kill -9 rank `victim` mid-loop; wait for `until` on the others; check the loss."""
     procs.wait_until(lambda: all(len(w.of("ok")) >= 2 for w in workers), "two calls on all")
-    victim, survivors = workers[2], [w for i, w in enumerate(workers) if i != 2]
+    survivors = [w for i, w in enumerate(workers) if i != victim]
     killed_at = time.time()
-    victim.proc.send_signal(signal.SIGKILL)
-    procs.wait_until(lambda: all(w.of("lost") for w in survivors), "survivors see the loss")
-    assert victim.proc.wait(5) == -signal.SIGKILL
+    workers[victim].proc.send_signal(signal.SIGKILL)
+    procs.wait_until(lambda: all(w.of(until) for w in survivors), f"{until} on the survivors")
+    assert workers[victim].proc.wait(5) == -signal.SIGKILL
     for survivor in survivors:
         (lost,) = survivor.of("lost")
-        assert lost["lost"] == [2], procs.report()
+        assert lost["lost"] == [victim], procs.report()
         assert all(e["exact"] for e in survivor.of("ok"))
         print(f"{survivor.host.name} saw the loss after {lost['t'] - killed_at:.2f} s")
+    return survivors
+
+
+def test_kill_9_of_one_hosts_rank_is_detected_on_the_others_and_they_go_on(
+    hosts: NetnsHosts, procs: Procs
+):
+    workers = start_until_lost(hosts, procs, after_lost=2)
+    survivors = kill_and_wait_for_loss(workers, procs, victim=2, until="done")
+    for survivor in survivors:
+        (lost,) = survivor.of("lost")
+        after = [e for e in survivor.of("ok") if e["i"] > lost["i"]]
+        assert [(e["size"], e["exact"]) for e in after] == [(3, True), (3, True)], procs.report()
+    assert [w.proc.wait(10) for w in survivors] == [0, 0, 0], procs.report()
+
+
+def test_kill_9_of_rank_0_which_hosts_the_registry_is_detected_on_the_other_hosts(
+    hosts: NetnsHosts, procs: Procs
+):
+    workers = start_until_lost(hosts, procs, after_lost=0)
+    survivors = kill_and_wait_for_loss(workers, procs, victim=0, until="lost")
     assert [w.proc.wait(10) for w in survivors] == [0, 0, 0], procs.report()
 
 
