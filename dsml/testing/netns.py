@@ -250,6 +250,11 @@ class NetnsHosts(Sequence[Host]):
         return iter(self._hosts)
 
     @property
+    def namespaces(self) -> list[str]:
+        """The names of this instance's namespaces (bridge first), whether they exist or not."""
+        return [self.bridge_netns, *(h.netns for h in self._hosts)]
+
+    @property
     def addresses(self) -> list[str]:
         """Every host's IPv4 address, in host order."""
         return [h.address for h in self._hosts]

@@ -57,8 +57,8 @@ def open_hosts(n_hosts: int = 4, *, rate: str | None = "1gbit", names: Sequence[
 def close_hosts(hosts: NetnsHosts) -> None:
     """Remove the hosts; fail if a namespace of this process is still listed."""
     hosts.close()
-    left = leftover_namespaces(os.getpid())
-    assert not left, f"namespaces left behind: {left}"
+    left = set(leftover_namespaces(os.getpid())) & set(hosts.namespaces)
+    assert not left, f"namespaces left behind: {sorted(left)}"
 
 
 def hosts_fixture() -> Iterator[NetnsHosts]:
