@@ -13,6 +13,8 @@ checks the result against `arange(n) * P(P+1)/2`. Prints one JSON line per event
   lost   {i, error, lost, t}                 --until-lost: a PeerLostError ended call i
                                              (lost: its ranks; t: time.time() then); with
                                              --after-lost K, K more calls follow
+  shrunk {i, size, t}                        --until-lost: the loss was learnt between two
+                                             calls (call i already runs without it)
   error  {i, type, error}                    any other dsml error (exit code 1)
   done   {i}
 """
@@ -52,10 +54,15 @@ async def main(args: argparse.Namespace) -> int:
             pid=os.getpid(),
             env=launcher,
         )
-        calls, i = args.calls, 0
+        calls, i, joined_size = args.calls, 0, comm.world_size
         while args.until_lost or i < calls:
             i += 1
             rank, size = comm.rank, comm.world_size  # renumbered after a loss
+            if args.until_lost and size < joined_size:  # learnt between two calls
+                emit("shrunk", i=i, size=size, t=time.time())
+                args.until_lost, calls = False, i - 1 + args.after_lost
+                if not args.after_lost:
+                    return 0
             x = np.arange(args.n, dtype=np.float64) * (rank + 1)
             try:
                 await comm.all_reduce(x)
