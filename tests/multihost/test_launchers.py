@@ -4,6 +4,11 @@ Each host runs its own processes with only what a launcher would set there: no D
 variable and no DSML_BIND, so `dsml.init()` must find the registry from the launcher's
 variables and bind the interface that routes to it (the hosts' loopbacks are separate).
 Every rank reduces integer-valued arrays and checks the exact sum (tests/multihost/worker.py).
+
+Launchers: `dsml run --nnodes` (one per host), real torchrun (two hosts), and the variables
+of torchrun/PyTorchJob (MASTER_*, RANK, WORLD_SIZE) and of Slurm (SLURM_*) set by hand;
+tests/slurm runs a real srun. Then faults across hosts: kill -9 of a rank, and of rank 0
+(the registry's host), and a rank that raises, whose cause every host's launcher reports.
 """
 
 from __future__ import annotations
