@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -70,6 +70,7 @@ class Communicator:
         self._engine_link = EngineLink(
             self._runner, self._start, lambda: (self.rank, self.epoch), trace=config.engine_trace
         )
+        self._on_close: list[Callable[[], Awaitable[None]]] = []
         links.said_goodbye = self._table.closed_after.__contains__
         links.on_bug = tasks.on_crash = self._fail
 
@@ -96,6 +97,10 @@ class Communicator:
                 epoch=self._links.epoch,
             )
         )
+
+    def on_close(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Await fn() at the end of `aclose` (dsml.init: the registry this rank serves)."""
+        self._on_close.append(fn)
 
     def _progress(self) -> dict[str, Any]:
         """A heartbeat's body (read from the heartbeat thread: plain attribute reads)."""
@@ -368,6 +373,8 @@ class Communicator:
                 await self._registry.leave(last)
         finally:
             await self._registry.aclose()
+            for fn in self._on_close:
+                await fn()
 
     async def _crash(self) -> None:
         """Stop as if the process had been killed: no goodbye, no leave, sockets closed
