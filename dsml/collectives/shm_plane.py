@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..transport.shm_link import INLINE_BYTES, Check, LinkPeer, ShmLink
+from ..transport.shm_link import INLINE_BYTES, Check, LinkPeer, ShmLink, Unless
 from ..transport.shm_segment import ShmFullError
 
 __all__ = ["HostMember", "SameHost", "ShmCall"]
@@ -42,11 +42,14 @@ class HostMember:
 class ShmCall:
     """One call's `ShmGroup` over a link: it numbers the call's syncs."""
 
-    def __init__(self, link: ShmLink, cid: int, record: bytes, check: Check | None) -> None:
+    def __init__(
+        self, link: ShmLink, cid: int, record: bytes, check: Check | None, unless: Unless
+    ) -> None:
         self._link = link
         self._cid = cid
         self._record: bytes | None = record
         self._check = check
+        self._unless = unless
         self._phase = 0
 
     @property
@@ -73,7 +76,7 @@ class ShmCall:
     async def sync(self, ok: bool = True) -> bool:
         self._phase += 1
         record, self._record = self._record, None
-        return await self._link.sync(self._cid, self._phase, record, ok, self._check)
+        return await self._link.sync(self._cid, self._phase, record, ok, self._check, self._unless)
 
 
 class SameHost:
@@ -141,25 +144,27 @@ class SameHost:
         record: bytes,
         algorithm: Callable[[ShmCall], Awaitable[T]],
         check: Check | None = None,
+        unless: Unless = None,
     ) -> T:
         """Run `algorithm` on this call's ShmGroup; marks the call done or given up.
 
         `record` (the call's fingerprint bytes) is compared with every peer's at the first
-        sync; `check(peer, theirs)` says what error a different record means."""
-        link = await self._connected()
+        sync; `check(peer, theirs)` says what error a different record means; every wait
+        ends raising the result of `unless` once it is done (the call failed)."""
+        link = await self._connected(unless)
         try:
-            await link.begin(cid)
-            result = await algorithm(ShmCall(link, cid, record, check))
+            await link.begin(cid, unless)
+            result = await algorithm(ShmCall(link, cid, record, check, unless))
         except BaseException:
             link.abandon(cid)
             raise
         link.complete(cid)
         return result
 
-    async def _connected(self) -> ShmLink:
+    async def _connected(self, unless: Unless) -> ShmLink:
         link = self._link if self._link is not None else self._make_link()
         if not link.connected:
-            await link.wait_connected()
+            await link.wait_connected(unless)
         return link
 
     def _make_link(self) -> ShmLink:

@@ -28,8 +28,8 @@ from ..membership import View
 from ..transport.shm_segment import ShmFullError
 from ..wire import Fingerprint
 from .call import Call
+from .call_table import CallTable
 from .diagnose import mismatch_message
-from .mesh import Mesh
 
 __all__ = ["ShmHook"]
 
@@ -40,11 +40,11 @@ Array = Any
 class ShmHook:
     """See the module docstring."""
 
-    def __init__(self, config: CommConfig, mesh: Mesh) -> None:
-        self._member_id = mesh.member_id
-        self._mesh = mesh
+    def __init__(self, config: CommConfig, table: CallTable) -> None:
+        self._member_id = table.links.member_id
+        self._table = table
         self._claimed: list[tuple[int, int]] = []  # (epoch, cid) of calls planned for shm
-        self._finished = asyncio.Event()
+        self._finished: asyncio.Future[None] | None = None  # resolved as a call ends
         self._stage_bytes = config.shm_stage_bytes
         self.plane = SameHost(
             enabled=config.shm,
@@ -71,21 +71,24 @@ class ShmHook:
 
     def _take_turn(self) -> bool:
         # Planning happens right after the runner numbered the call, in program order.
-        self._claimed.append((self._mesh.epoch, self._mesh.next_cid - 1))
+        self._claimed.append((self._table.epoch, self._table.next_cid - 1))
         return True
 
     async def _wait_turn(self, call: Call) -> None:
         """Wait until this rank's earlier shared-memory calls are over: the link runs one
         call at a time, in collective order on every rank, while TCP calls may overlap."""
         while True:
-            live = self._mesh.calls
+            live = self._table.calls
             self._claimed = [key for key in self._claimed if key in live]
             if not any(key < (call.epoch, call.cid) for key in self._claimed):
                 return
-            finished = self._finished
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.01):  # also notice calls that failed unrun
-                    await finished.wait()
+            if self._finished is None:
+                self._finished = asyncio.get_running_loop().create_future()
+            # a timeout too: a call that failed before running ends without telling us
+            waits = (self._finished, call.failed)
+            await asyncio.wait(waits, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
+            if call.failure is not None:
+                raise call.failure
 
     async def all_reduce(self, call: Call, src: Array, dst: Array, op: ReduceOp) -> bool:
         """dst = all-reduce of src in shared memory; False (nothing written) for want of room."""
@@ -160,7 +163,7 @@ class ShmHook:
 
         await self._wait_turn(call)
         try:
-            return await self.plane.run(call.cid, record, algorithm, check)
+            return await self.plane.run(call.cid, record, algorithm, check, call.failed)
         except ShmFullError as exc:
             raise CollectiveAbortedError(
                 f"rank {call.rank} found no room in /dev/shm for its shared-memory link "
@@ -173,8 +176,9 @@ class ShmHook:
         finally:
             with contextlib.suppress(ValueError):
                 self._claimed.remove((call.epoch, call.cid))
-            self._finished.set()
-            self._finished = asyncio.Event()
+            if self._finished is not None and not self._finished.done():
+                self._finished.set_result(None)
+            self._finished = None
 
     def close(self) -> None:
         self.plane.close()

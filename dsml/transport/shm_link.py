@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -43,10 +43,12 @@ from .shm_records import Record, find_record, write_record
 from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
 from .shm_wake import Waker
 
-__all__ = ["FAILED", "Check", "LinkPeer", "ShmLink"]
+__all__ = ["FAILED", "Check", "LinkPeer", "ShmLink", "Unless"]
 
 #: (peer's rank, its entry record) -> the error to raise, or None when compatible
 Check = Callable[[int, bytes], BaseException | None]
+#: a future whose result is the error that ends the call (None: nothing to watch)
+Unless: TypeAlias = "asyncio.Future[BaseException] | None"
 
 HEADER_BYTES = 4096
 INLINE_BYTES = 1 << 20  # two inline areas (one per record slot) for small calls
@@ -62,6 +64,11 @@ MIN_DATA_BYTES = 256 << 10
 PURE_SPIN_S = 50e-6  # a peer this close behind is worth keeping the CPU for
 BACKSTOP_S = 2e-3  # longest sleep without a look at the peers' counters
 GIVE_UP_GRACE_S = 0.25  # after a peer gave a call up: time for its abort to arrive
+
+
+def _raise_if_done(unless: Unless) -> None:
+    if unless is not None and unless.done():
+        raise unless.result()
 
 
 class _GaveUp(Exception):
@@ -129,7 +136,7 @@ class ShmLink:
         self._waker = Waker(self._name(self.me, "w"))
         self._wake_names = [b"\0" + self._name(r, "w").encode() for r in range(self.size)]
 
-    async def wait_connected(self) -> None:
+    async def wait_connected(self, unless: Unless = None) -> None:
         """Map every peer's control segment (they may still be starting)."""
         assert self._waker is not None
         self._waker.start()
@@ -140,7 +147,11 @@ class ShmLink:
                     self._map_control(rank)
             if all(c is not None for c in self._control):
                 return
-            await asyncio.sleep(delay)
+            if unless is None:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.wait([unless], timeout=delay)
+                _raise_if_done(unless)
             delay = min(delay * 2, 5e-3)
 
     def _map_control(self, rank: int) -> None:
@@ -259,7 +270,7 @@ class ShmLink:
 
     # -- synchronisation --------------------------------------------------------------------
 
-    async def begin(self, cid: int) -> None:
+    async def begin(self, cid: int, unless: Unless = None) -> None:
         """Start call `cid` on this rank: take the record slot and inline area not used by
         the previous call, once every peer has left the call that used them last.
 
@@ -271,7 +282,7 @@ class ShmLink:
         self._count += 1
         used = self._used[slot]
         if used:
-            await self._wait(lambda rank: self._left(rank, used))
+            await self._wait(lambda rank: self._left(rank, used), unless)
         self._used[slot], self._slot, self._cid = cid, slot, cid
 
     async def sync(
@@ -281,6 +292,7 @@ class ShmLink:
         record: bytes | None = None,
         ok: bool = True,
         check: Check | None = None,
+        unless: Unless = None,
     ) -> bool:
         """Post (cid, phase) and wait for every peer to post it; True when all were ok.
 
@@ -296,9 +308,9 @@ class ShmLink:
         mine[W_PROGRESS] = cid * _PHASES + phase
         self._wake_sleepers()
         try:
-            await self._wait(lambda rank: self._reached(rank, cid, phase))
+            await self._wait(lambda rank: self._reached(rank, cid, phase), unless)
         except _GaveUp as gave_up:
-            await self._peer_gave_up(gave_up.rank, cid, record, check)
+            await self._peer_gave_up(gave_up.rank, cid, record, check, unless)
         if record is None:
             self._unlink_mapped()
             return True
@@ -307,13 +319,17 @@ class ShmLink:
         return all_ok
 
     async def _peer_gave_up(
-        self, rank: int, cid: int, record: bytes | None, check: Check | None
+        self, rank: int, cid: int, record: bytes | None, check: Check | None, unless: Unless
     ) -> None:
         """A peer failed this call: raise its reason if we can tell it, else wait briefly
         for its abort over TCP (which fails this call with the real reason)."""
         if record is not None:  # a mismatch, seen here too
             self._check_records(cid, record, check, present_only=True)
-        await asyncio.sleep(GIVE_UP_GRACE_S)
+        if unless is not None:
+            await asyncio.wait([unless], timeout=GIVE_UP_GRACE_S)
+            _raise_if_done(unless)
+        else:
+            await asyncio.sleep(GIVE_UP_GRACE_S)
         raise CollectiveAbortedError(
             f"rank {self.peers[rank].rank} gave up collective #{cid} (its own error says why)",
             origin=self.peers[rank].rank,
@@ -351,12 +367,14 @@ class ShmLink:
             return True  # it finished this call and went on
         raise _GaveUp(rank)
 
-    async def _wait(self, ready: Callable[[int], bool]) -> None:
+    async def _wait(self, ready: Callable[[int], bool], unless: Unless) -> None:
         """Spin for up to spin_s (yielding the CPU after the first PURE_SPIN_S), then
-        sleep until a peer wakes us."""
+        sleep until a peer wakes us; raise the result of `unless` once it is done (the
+        call failed)."""
         pending = [r for r in range(self.size) if r != self.me]
         start = time.perf_counter()
         while True:
+            _raise_if_done(unless)
             pending = [r for r in pending if not ready(r)]
             if not pending:
                 return
@@ -374,7 +392,8 @@ class ShmLink:
                 pending = [r for r in pending if not ready(r)]
                 if not pending:
                     return
-                await self._waker.wait(BACKSTOP_S)  # the mesh may fail the call meanwhile
+                await self._waker.wait(BACKSTOP_S, unless)
+                _raise_if_done(unless)
         finally:
             mine[W_SLEEPING] = 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any
 
 __all__ = ["Waker"]
 
@@ -31,36 +32,41 @@ class Waker:
         self._sock.bind(self.name)
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._out.setblocking(False)
-        self._event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._sleeper: asyncio.Future[None] | None = None
+        self._woken = False
 
     def start(self) -> None:
         """Start listening on the running loop."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._event = asyncio.Event()
             self._loop.add_reader(self._sock.fileno(), self._readable)
 
     def _readable(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):
             while True:
                 self._sock.recv(64)
-        assert self._event is not None
-        self._event.set()
+        self._woken = True
+        _resolve(self._sleeper)
 
     def arm(self) -> None:
         """Forget earlier wake-ups (call before announcing that this rank sleeps)."""
-        assert self._event is not None
-        self._event.clear()
+        self._woken = False
 
-    async def wait(self, backstop_s: float) -> None:
-        assert self._event is not None
+    async def wait(self, backstop_s: float, unless: asyncio.Future[Any] | None = None) -> None:
+        """Until a wake-up byte came (since `arm`), `backstop_s` passed, or `unless` is done."""
         assert self._loop is not None
-        timer = self._loop.call_later(backstop_s, self._event.set)
+        if self._woken or (unless is not None and unless.done()):
+            return
+        sleeper = self._sleeper = self._loop.create_future()
+        timer = self._loop.call_later(backstop_s, _resolve, sleeper)
+        if unless is not None:
+            unless.add_done_callback(lambda _f: _resolve(sleeper))
         try:
-            await self._event.wait()
+            await sleeper
         finally:
             timer.cancel()
+            self._sleeper = None
 
     def wake(self, name: bytes) -> None:
         with contextlib.suppress(OSError):  # full, or the peer is gone: it will look anyway
@@ -71,3 +77,8 @@ class Waker:
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
         self._out.close()
+
+
+def _resolve(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
