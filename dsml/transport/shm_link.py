@@ -103,7 +103,9 @@ class ShmLink:
         self.size = len(peers)
         self.epoch = epoch
         self.max_data_bytes = max_data_bytes
-        self._spin_s = 0.0 if all(p.pid == os.getpid() for p in peers) else spin_s
+        #: every rank in this process (dsml.testing clusters): waiting must not spin
+        self.in_process = all(p.pid == os.getpid() for p in peers)
+        self._spin_s = 0.0 if self.in_process else spin_s
         self._control: list[Segment | None] = [None] * self.size
         self._words: list[Any] = [None] * self.size
         self._inline: list[Any] = [None] * self.size
@@ -311,6 +313,10 @@ class ShmLink:
             await self._wait(lambda rank: self._reached(rank, cid, phase), unless)
         except _GaveUp as gave_up:
             await self._peer_gave_up(gave_up.rank, cid, record, check, unless)
+        except Exception:
+            if record is not None:  # a mismatch seen here says more than a peer's abort
+                self._check_records(cid, record, check, present_only=True)
+            raise
         if record is None:
             self._unlink_mapped()
             return True
