@@ -88,7 +88,8 @@ async def reduce_slices(
     False when some rank had no room. The results stay there until the next call."""
     size, rank, dtype, itemsize = group.size, group.rank, src.dtype, src.dtype.itemsize
     longest = max(hi - lo for lo, hi in spans)
-    slot = max(1, min(longest, stage_bytes // (size * itemsize)))  # elements per slice and piece
+    # elements per slice and piece: the staging area holds P-1 slots of this many
+    slot = max(1, min(longest, stage_bytes // (max(1, size - 1) * itemsize)))
     pieces = max(1, -(-longest // slot))
     lo_r, hi_r = spans[rank]
     stage_bytes = (size - 1) * slot * itemsize  # a slot per other rank's slice
