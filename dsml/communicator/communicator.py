@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from ..collectives.interop import native_arrays  # torch, JAX, DLPack, buffers
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
 from ..membership import RegistryClient, View
@@ -156,6 +157,7 @@ class Communicator:
 
     # -- collectives ------------------------------------------------------------------------
 
+    @native_arrays(writes=True)
     def all_reduce(
         self, x: Array, op: Any = "sum", *, algorithm: str = "auto", timeout: float | None = None
     ) -> CollectiveHandle[Array]:
@@ -167,6 +169,7 @@ class Communicator:
             x,
         )
 
+    @native_arrays(writes=True)
     def reduce(
         self, x: Array, root: int = 0, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
@@ -180,6 +183,7 @@ class Communicator:
             x,
         )
 
+    @native_arrays(writes=True)
     def broadcast(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
@@ -193,6 +197,7 @@ class Communicator:
             x,
         )
 
+    @native_arrays(writes=False)
     def all_gather(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Every rank's x concatenated along axis 0 in rank order (a new array)."""
         return self._collective(
@@ -202,6 +207,7 @@ class Communicator:
             x,
         )
 
+    @native_arrays(writes=False)
     def gather(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
@@ -213,6 +219,7 @@ class Communicator:
             x,
         )
 
+    @native_arrays(writes=False)
     def scatter(
         self, x: Array | None = None, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
@@ -224,6 +231,7 @@ class Communicator:
             x,
         )
 
+    @native_arrays(writes=False)
     def reduce_scatter(
         self, x: Array, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
@@ -235,6 +243,7 @@ class Communicator:
             x,
         )
 
+    @native_arrays(writes=False)
     def all_to_all(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
         concatenated in rank order."""
@@ -272,6 +281,7 @@ class Communicator:
 
     # -- point to point ---------------------------------------------------------------------
 
+    @native_arrays(writes=False)
     def send(
         self, x: Array, dst: int, *, tag: int = 0, timeout: float | None = None
     ) -> CollectiveHandle[None]:
