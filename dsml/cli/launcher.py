@@ -18,6 +18,7 @@ import collections
 import contextlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,13 @@ LineSink = Callable[[int, str, str], None]
 
 _TAIL_LINES = 20
 _CONSEQUENCE_GRACE_S = 2.0  # how long a rank that caused others' failure has to exit
+
+
+def _free_port() -> int:
+    """A TCP port free on loopback now (rank 0's torch store binds it soon after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def rank_environment(
@@ -112,6 +120,10 @@ class Launch:
         self.failures: list[Failure] = []
         self.interrupted = 0
         self._env = dict(os.environ if env is None else env)
+        if not (self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT")):
+            # torch.distributed's env:// rendezvous (dist.init_process_group("dsml") under
+            # dsml run) needs a store address, as under torchrun; a user's own values win.
+            self._env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         self._on_line = on_line
         self._grace_s = grace_s
         self._stdout = stdout or sys.stdout

@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from .devices import CUPY_HINT, is_cupy_array, load_cupy
 from .dlpack import CPU_DEVICES, CUDA_DEVICES, dlpack_device, export_host
 
-__all__ = ["Native", "native_arrays", "to_native"]
+__all__ = ["ConvertingHandle", "Native", "like", "native_arrays", "to_native"]
 
 P = ParamSpec("P")
 S = TypeVar("S")
@@ -219,6 +219,11 @@ def _from_buffer(x: Any) -> tuple[np.ndarray[Any, Any], bool]:
 
 
 # -- back to the caller's type --------------------------------------------------------------
+
+
+def like(value: Any, original: Any) -> Any:
+    """A numpy or cupy array as an array of `original`'s type (and device), where known."""
+    return value if is_native(original) else _convert(value, _library(original), original)
 
 
 def _convert(value: Any, library: str, original: Any) -> Any:
