@@ -7,8 +7,11 @@
     model = torch.nn.parallel.DistributedDataParallel(model)   # unchanged
 
 Every torch.distributed collective runs on a dsml communicator (see `ProcessGroupDsml`),
-so a lost peer raises `torch.distributed.DistBackendError`, chained to dsml's typed error
-(`PeerLostError`, ...), within dsml's detection time instead of hanging. See docs/torch.md.
+so a lost peer raises within dsml's detection time instead of hanging: a
+`torch.distributed.DistBackendError` chained to dsml's typed error (`PeerLostError`, ...)
+from Python-level calls; from DDP's backward, the RuntimeError torch's C++ reducer makes
+of it, whose message carries dsml's and for which `cause_of(exc)` returns the typed error.
+See docs/torch.md.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .process_group import ProcessGroupDsml, create_backend
-from .work import DsmlWork
+from .work import DsmlWork, cause_of
 
-__all__ = ["BACKEND", "DsmlWork", "ProcessGroupDsml", "create_backend"]
+__all__ = ["BACKEND", "DsmlWork", "ProcessGroupDsml", "cause_of", "create_backend"]
 
 BACKEND = "dsml"
 

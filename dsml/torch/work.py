@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from datetime import timedelta
 from typing import Any
@@ -9,7 +10,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DsmlWork", "backend_error"]
+__all__ = ["DsmlWork", "backend_error", "cause_of"]
+
+# The latest failures, for `cause_of`: DDP's reducer re-raises them through C++, which
+# keeps the message but drops the Python exception and its chain.
+_recent: collections.deque[BaseException] = collections.deque(maxlen=32)
+
+
+def cause_of(error: BaseException) -> BaseException | None:
+    """The dsml error behind a torch error raised by this backend, or None.
+
+    Follows the exception chain (`DistBackendError` from `work.wait()` or a collective
+    call); for a RuntimeError that torch's C++ re-raised (DDP's backward), finds the
+    recent dsml failure whose message it carries.
+    """
+    seen: BaseException | None = error
+    while seen is not None:
+        if type(seen).__module__.startswith("dsml."):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    return next((e for e in reversed(_recent) if str(e) and str(e) in text), None)
 
 
 def backend_error(what: str, error: BaseException) -> dist.DistBackendError:
@@ -20,6 +41,7 @@ def backend_error(what: str, error: BaseException) -> dist.DistBackendError:
         text = f"dsml {what} failed: {type(error).__name__}: {error}"
     wrapped = dist.DistBackendError(text)
     wrapped.__cause__ = error
+    _recent.append(error)
     return wrapped
 
 
@@ -35,15 +57,19 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
         super().__init__()
         self._future = future
         self._what = what
-        self._torch_future: torch.futures.Future[Any] = torch.futures.Future()
-        future.add_done_callback(self._deliver)  # on the loop thread, or now if done
+        # torch's Future.set_exception stores the exception as a *value*, which C++
+        # consumers (DDP's reducer) read as a result; an exception raised in a `then`
+        # callback is a real error for them. So `_done` only signals the end, and the
+        # future handed out returns the result or raises from its callback.
+        self._done: torch.futures.Future[None] = torch.futures.Future()
+        self._torch_future = self._done.then(self._outcome)
+        future.add_done_callback(lambda _f: self._done.set_result(None))  # loop thread
 
-    def _deliver(self, future: concurrent.futures.Future[Any]) -> None:
+    def _outcome(self, _done: torch.futures.Future[None]) -> Any:
         error = self._error()
         if error is not None:
-            self._torch_future.set_exception(error)
-        else:
-            self._torch_future.set_result(future.result())
+            raise error
+        return self._future.result()
 
     def _error(self) -> dist.DistBackendError | None:
         if self._future.cancelled():
@@ -56,6 +82,8 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         try:
             self._future.exception(seconds if seconds > 0 else None)
+        except concurrent.futures.CancelledError:
+            pass  # _error() describes it
         except TimeoutError:
             raise dist.DistBackendError(
                 f"dsml {self._what} did not finish within {seconds} s"

@@ -1,0 +1,127 @@
+"""The torch.distributed backend "dsml", in real processes: every collective, DDP against
+gloo, and a rank killed with SIGKILL in the middle of training."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install dsml[torch])")
+
+# torch takes seconds to import in each process, more on a busy machine
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+QUIET = {"PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dsml_run(n: int, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsml", "run", "-n", str(n), str(SCRIPTS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **QUIET},
+    )
+
+
+def start_ranks(n: int, script: str) -> list[subprocess.Popen[str]]:
+    """n processes with the variables torchrun sets (no DSML_*): rendezvous via the store."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DSML_")}
+    env = {**base, **QUIET, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["WORLD_SIZE"] = str(n)
+    return [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(n)
+    ]
+
+
+def test_every_collective_works_under_dsml_run():
+    result = dsml_run(3, "torch_collectives.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.split()).count("ok") == 3, result.stdout
+
+
+def test_every_collective_works_under_torchrun_through_the_store():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(SCRIPTS / "torch_collectives.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("DSML_")}, **QUIET},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split().count("ok") == 2, result.stdout
+
+
+def test_ddp_on_dsml_ends_with_the_parameters_ddp_on_gloo_ends_with():
+    result = dsml_run(4, "torch_ddp_compare.py", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(result.stdout.strip().split("] ", 1)[1])
+    print(f"largest parameter difference dsml vs gloo after 20 steps: {row['max_diff']:.3g}")
+    assert row["ranks_agree"]
+    assert row["max_diff"] < 1e-5
+
+
+def test_killing_one_rank_makes_every_other_rank_raise_in_its_training_loop():
+    procs = start_ranks(4, "torch_ddp_forever.py")
+    victim = 2
+    try:
+        for p in procs:  # every rank trains
+            for want in ("step 1", "step 2", "step 3"):
+                line = p.stdout.readline().strip()
+                assert line == want, (line, p.stderr.read() if p.poll() is not None else "")
+        killed_at = time.time()
+        procs[victim].send_signal(signal.SIGKILL)
+        outcomes = []
+        for rank, p in enumerate(procs):
+            if rank == victim:
+                continue
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-3000:]
+            outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    delays = [round(o["raised_at"] - killed_at, 3) for o in outcomes]
+    print(f"survivors raised {delays} s after the kill: {outcomes[0]['message']}")
+    for outcome in outcomes:
+        # DDP's backward re-raises through torch's C++ reducer: a RuntimeError carrying
+        # dsml's message, which dsml.torch.cause_of maps back to the typed error
+        assert outcome["error"] in ("RuntimeError", "DistBackendError"), outcome
+        assert outcome["dsml_error"] in ("PeerLostError", "CollectiveAbortedError"), outcome
