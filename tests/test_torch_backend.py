@@ -125,3 +125,28 @@ def test_killing_one_rank_makes_every_other_rank_raise_in_its_training_loop():
         # dsml's message, which dsml.torch.cause_of maps back to the typed error
         assert outcome["error"] in ("RuntimeError", "DistBackendError"), outcome
         assert outcome["dsml_error"] in ("PeerLostError", "CollectiveAbortedError"), outcome
+
+
+def test_the_ddp_example_trains_on_mnist_under_dsml_run():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsml",
+            "run",
+            "-n",
+            "2",
+            "examples/torch_ddp.py",
+            "--max-steps",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **QUIET},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 ranks on backend 'dsml'" in result.stdout
+    assert "MNIST" in result.stdout
+    assert "done: 5 steps" in result.stdout
