@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from mnist.data import load  # examples/mnist (this script's folder is on sys.path)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import dsml.torch  # registers the "dsml" backend
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mnist.data import load  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
