@@ -296,3 +296,52 @@ def test_importing_dsml_imports_neither_torch_nor_jax():
     code = "import dsml, sys; print('torch' in sys.modules, 'jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+class OnGpu(OnlyDLPack):
+    """Says its memory is on CUDA device 0 (DLPack device type 2)."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+async def test_a_gpu_array_without_cupy_is_refused_with_how_to_install_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` fails, as without the extra
+    async with open_local_cluster(1, config=CONFIG) as cluster:
+        with pytest.raises(ConfigError, match=r"GPU array .* through\s+cupy.*dsml\[gpu\]"):
+            cluster[0].all_reduce(OnGpu(torch.ones(3)))
+
+
+def cuda_and_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_and_cupy(), reason="needs a CUDA GPU, torch with CUDA and cupy")
+async def test_torch_cuda_tensors_are_reduced_in_place_through_cupy(seed):
+    async with open_local_cluster(2, config=CONFIG) as cluster:
+        for name in ("float32", "int64", "float16"):
+            xs = rank_inputs(name, 2, seed)
+            expected = await run_all(cluster, xs, name)
+            tensors = [as_torch(x).cuda() for x in xs]
+            got = await run_all(cluster, tensors, name)
+            assert_same_results(expected, {k: [to_cpu(r) for r in v] for k, v in got.items()}, name)
+            assert all(r.is_cuda for r in got["all_gather"])
+        tensors = [torch.full((5,), float(r + 1), device="cuda") for r in range(2)]
+        pointers = [t.data_ptr() for t in tensors]
+        results = await cluster.run(lambda c: c.all_reduce(tensors[c.rank]))
+        assert all(r is t for r, t in zip(results, tensors, strict=True))
+        assert [t.data_ptr() for t in tensors] == pointers
+        assert all(t.cpu().tolist() == [3.0] * 5 for t in tensors)
+
+
+def to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if value is not None and type(value).__module__.startswith("cupy"):
+        return value.get()
+    return value
