@@ -265,6 +265,11 @@ async def test_memoryview_and_bytearray_are_reduced_in_place_and_keep_their_type
         gathered = await cluster.run(lambda c: c.all_gather(buffers[c.rank]))
         assert gathered == [bytearray([10, 20, 30] * 2)] * 2
 
+        read_only = [memoryview(b"\x01\x02"), memoryview(b"\x05\x06")]
+        results = await cluster.run(lambda c: c.all_reduce(read_only[c.rank]))
+        assert [bytes(r) for r in results] == [b"\x06\x08"] * 2
+        assert [bytes(v) for v in read_only] == [b"\x01\x02", b"\x05\x06"]  # untouched
+
         frozen = [b"\x01\x02", b"\x03\x04"]
         results = await cluster.run(lambda c: c.all_reduce(frozen[c.rank]))
         assert results == [b"\x04\x06"] * 2
@@ -290,10 +295,10 @@ async def test_an_object_refused_on_one_rank_fails_the_other_ranks_fast():
         assert (await cluster.run(lambda c: c.all_reduce(torch.ones(2))))[0].tolist() == [2, 2]
 
 
-def test_importing_dsml_imports_neither_torch_nor_jax():
+def test_importing_dsml_and_its_blocking_api_imports_neither_torch_nor_jax():
     import subprocess
 
-    code = "import dsml, sys; print('torch' in sys.modules, 'jax' in sys.modules)"
+    code = "import dsml, dsml.blocking, sys; print('torch' in sys.modules, 'jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 

@@ -56,17 +56,15 @@ class Native:
     array: Any  # numpy.ndarray or cupy.ndarray
     original: Any
     library: str  # "torch", "jax", "memoryview", ... (the input's kind)
+    shares_memory: bool  # array is a view of original's memory, which dsml may write
 
     def result(self, value: Any) -> Any:
         """A collective's result in the caller's type (the caller's object when in place)."""
         if value is None:
             return None
-        if value is self.array and self._same_memory():
+        if value is self.array and self.shares_memory:
             return self.original  # written in place into the caller's memory
         return _convert(value, self.library, self.original)
-
-    def _same_memory(self) -> bool:
-        return self.library not in _IMMUTABLE and self.library != "bytes"
 
 
 def is_native(x: object) -> bool:
@@ -95,7 +93,7 @@ def to_native(x: Any, what: str = "x", *, writes: bool = False) -> Native:
         )
     if writes and not writable:
         array = array.copy()  # read-only input: the result is written into a new array
-    return Native(array, x, library)
+    return Native(array, x, library, shares_memory=writable)
 
 
 def native_arrays(
