@@ -140,9 +140,10 @@ class Launch:
         self.failures: list[Failure] = []
         self.interrupted = 0
         self._env = dict(os.environ if env is None else env)
-        if not (self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT")):
+        if node is None and not (self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT")):
             # torch.distributed's env:// rendezvous (dist.init_process_group("dsml") under
-            # dsml run) needs a store address, as under torchrun; a user's own values win.
+            # dsml run) needs a store address, as under torchrun; a user's own values win
+            # (with --nnodes, every node must be given the same: set them).
             self._env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         self._on_line = on_line
         self._grace_s = grace_s
