@@ -71,6 +71,8 @@ def main() -> int:
     step, started = 0, time.perf_counter()
     try:
         for epoch in range(args.epochs):
+            if step == args.max_steps:
+                break
             sampler.set_epoch(epoch)
             for images, labels in loader:
                 optimizer.zero_grad()
