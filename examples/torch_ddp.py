@@ -71,7 +71,7 @@ def main() -> int:
     step, started = 0, time.perf_counter()
     try:
         for epoch in range(args.epochs):
-            if step == args.max_steps:
+            if args.max_steps and step >= args.max_steps:
                 break
             sampler.set_epoch(epoch)
             for images, labels in loader:
@@ -82,11 +82,13 @@ def main() -> int:
                 step += 1
                 if rank == 0 and step % 50 == 0:
                     print(f"epoch {epoch} step {step}: loss {loss.item():.3f}", flush=True)
-                if step == args.max_steps:
+                elif step == 1:
+                    print(f"rank {rank} is training", flush=True)
+                if args.max_steps and step >= args.max_steps:
                     break
     except RuntimeError as exc:  # a peer was lost: DDP's backward raised instead of hanging
-        cause = dsml.torch.cause_of(exc)
-        print(f"rank {rank}: training stopped at step {step}: {cause or exc}", flush=True)
+        cause = dsml.torch.cause_of(exc) or exc  # the typed dsml error behind it
+        print(f"rank {rank}: training stopped at step {step}: {type(cause).__name__}: {cause}")
         return 1
     test = (torch.from_numpy(data.test_images), torch.from_numpy(data.test_labels))
     if rank == 0:
