@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from .devices import CUPY_HINT, is_cupy_array, load_cupy
 from .dlpack import CPU_DEVICES, CUDA_DEVICES, dlpack_device, export_host
 
-__all__ = ["ConvertingHandle", "Native", "like", "native_arrays", "to_native"]
+__all__ = ["ConvertingHandle", "Native", "like", "native_arrays", "to_native", "with_native"]
 
 P = ParamSpec("P")
 S = TypeVar("S")
@@ -110,22 +110,30 @@ def native_arrays(
         def call(self: S, x: Any = None, /, *args: P.args, **kwargs: P.kwargs) -> H:
             if x is None and "x" in kwargs:  # all_reduce(x=...)
                 x = kwargs.pop("x")
-            if is_native(x):
-                return method(self, x, *args, **kwargs)
-            try:
-                native = to_native(x, writes=writes)
-            except ConfigError as refused:
-                try:  # let the method refuse it too: that takes the call's turn and tells
-                    return method(self, x, *args, **kwargs)  # the peers, who fail fast
-                except ConfigError:
-                    raise refused from refused.__cause__
-                # (a method that ignores x here, as scatter on a non-root, just runs)
-            handle = method(self, native.array, *args, **kwargs)
-            return ConvertingHandle(handle, native.result)  # type: ignore[return-value]
+            return with_native(x, writes, lambda array: method(self, array, *args, **kwargs))
 
         return call
 
     return decorate
+
+
+def with_native(x: Any, writes: bool, start: Callable[[Any], H]) -> H:
+    """`start(x)` with x as dsml's array, its handle's result converted back to x's type.
+
+    For numpy, cupy or None this is just `start(x)`. An object that is refused is passed
+    to `start` as it is, so that the call still takes its turn and its peers fail at once
+    (it refuses it too); the conversion's own error is raised then.
+    """
+    if is_native(x):
+        return start(x)
+    try:
+        native = to_native(x, writes=writes)
+    except ConfigError as refused:
+        try:
+            return start(x)  # a call that ignores x here (scatter on a non-root) just runs
+        except ConfigError:
+            raise refused from refused.__cause__
+    return ConvertingHandle(start(native.array), native.result)  # type: ignore[return-value]
 
 
 class ConvertingHandle(Generic[T]):

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ..collectives.interop import native_arrays  # torch, JAX, DLPack, buffers
+from ..collectives.interop import native_arrays, with_native  # torch, JAX, DLPack, buffers
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
 from ..errors import CollectiveAbortedError
@@ -344,20 +344,26 @@ class Communicator:
         leaving the ranks' collective ids out of step. `algorithm` and `timeout` are
         all_reduce's.
         """
-        return self._engine_link.push_collective(
-            tagged,
-            read,
-            Request("all_reduce", tagged.data, op=op, algorithm=algorithm, timeout=timeout),
+        return with_native(  # torch, JAX, DLPack data: as for all_reduce
+            tagged.data,
+            True,
+            lambda data: self._engine_link.push_collective(
+                tagged,
+                read,
+                Request("all_reduce", data, op=op, algorithm=algorithm, timeout=timeout),
+            ),
         )
 
     def push_broadcast(
         self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
     ) -> OpHandle[Array]:
         """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
-        return self._engine_link.push_collective(
-            tagged,
-            (),
-            Request("broadcast", tagged.data, root=root, timeout=timeout),
+        return with_native(
+            tagged.data,
+            True,
+            lambda data: self._engine_link.push_collective(
+                tagged, (), Request("broadcast", data, root=root, timeout=timeout)
+            ),
         )
 
     # -- lifecycle --------------------------------------------------------------------------
