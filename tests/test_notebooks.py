@@ -120,7 +120,8 @@ def test_quickstart_notebook_runs_collectives_and_plots_bus_bandwidth(monkeypatc
     assert re.search(r"all_gather.*\[0, 1, 2, 3\]", text), text
     # what the text promises: the job's prints, with their rank; the workers idle afterwards
     for rank in range(4):
-        assert re.search(rf"^\[rank {rank}\] all_reduce of [45] elements$", text, re.M), text
+        assert re.search(rf"^\[rank {rank}\] rank {rank} of 4 holds \[", text, re.M), text
+    assert "[rank 2] all_reduce of 5 elements" in text  # the failing rank's own print
     assert re.search(r"^afterwards: \['idle', 'idle', 'idle', 'idle'\]", text, re.M), text
     # the bench table: every algorithm, auto naming its choice; iters, p10 <= p50 <= p90
     number = r"([\d.]+)"
@@ -132,9 +133,8 @@ def test_quickstart_notebook_runs_collectives_and_plots_bus_bandwidth(monkeypatc
     )
     shown = {algorithm.split("(")[0] for algorithm, *_ in rows}
     assert shown == {"auto", "ring", "tree", "naive", "direct", "mesh"}, text
-    for _, p10, p50, p90, busbw in rows:
-        assert float(p10) <= float(p50) <= float(p90)
-        assert float(busbw) > 0
+    for _, p10, p50, p90, _busbw in rows:  # busbw prints as 0.000 for 4 KiB on a busy machine
+        assert 0 < float(p10) <= float(p50) <= float(p90)
     assert figures(notebook) >= 1
 
 
