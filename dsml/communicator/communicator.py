@@ -58,6 +58,11 @@ class Communicator:
         )
         registry.attach(self._keeper)
         registry.start_heartbeats(self._progress)
+        self._on_close: list[Callable[[], Awaitable[None]]] = []
+
+    def on_close(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Await fn() at the end of `aclose` (dsml.init: the registry this rank serves)."""
+        self._on_close.append(fn)
 
     def _progress(self) -> dict[str, Any]:
         """A heartbeat's body (read from the heartbeat thread: plain attribute reads)."""
@@ -379,6 +384,8 @@ class Communicator:
                 await self._registry.leave(last)
         finally:
             await self._registry.aclose()
+            for fn in self._on_close:
+                await fn()
 
     async def _crash(self) -> None:
         """Stop as if the process had been killed: no goodbye, no leave, sockets closed
