@@ -36,6 +36,7 @@ TOP_LEVEL_CLASSES = ("Communicator", "CollectiveHandle", "Engine", "Registry", "
 
 _OUTSIDE_LINK = re.compile(r"\[([^\]]+)\]\((\.\./)+([^)#\s]+)(#[^)]*)?\)")
 _README = re.compile(r"<!-- dsml:readme (.+?) -->")
+_README_LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
@@ -142,5 +143,18 @@ def readme_section(title: str) -> str:
     if start is None:
         return f'*(The README has no section "{title}" yet.)*'
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    body = lines[start + 1 : end]
-    return "\n".join("#" + line if line.startswith("#") else line for line in body)
+    body = "\n".join(
+        "#" + line if line.startswith("#") else line for line in lines[start + 1 : end]
+    )
+    return _README_LINK.sub(_readme_link, body)
+
+
+def _readme_link(match: re.Match[str]) -> str:
+    """A README link, seen from docs/: docs/X becomes X; other files become their path."""
+    text, target = match[1], match[2]
+    if target.startswith(("http://", "https://", "#", "mailto:")):
+        return match[0]
+    if target.startswith("docs/"):
+        return f"[{text}]({target[len('docs/') :]})"
+    path = target.split("#", 1)[0]
+    return text if text.strip("`") == path else f"{text} (`{path}`)"
