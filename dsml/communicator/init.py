@@ -17,13 +17,15 @@ from collections.abc import Mapping
 from .._opener import Opener
 from ..collectives.devices import DeviceSpec, parse_device, resolve_device
 from ..config import CommConfig, env_float, environ
+from ..errors import DsmlError
 from ..launch import Rendezvous, choose_bind, find_registry, resolve_rendezvous
 from ..launch.join import running_world_size
 from ..membership import Member, RegistryClient
 from ..transport import Curve
 from ..transport.addresses import advertised
 from .communicator import Communicator
-from .mesh import Mesh
+from .links import PeerLinks
+from .tasks import TaskOwner
 
 __all__ = ["init"]
 
@@ -91,8 +93,9 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
         patience = max(config.registry_timeout, config.join_timeout)
         config = dataclasses.replace(config, registry_timeout=patience)
     member_id = secrets.token_hex(8)
-    mesh = Mesh(member_id, config)
-    address = advertised(mesh.bind(), toward=registry_address)
+    tasks = TaskOwner()
+    links = PeerLinks(member_id, config, tasks)  # constructing does no I/O ...
+    address = advertised(links.bind(), toward=registry_address)  # ... binding does
     member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
     registry = RegistryClient(registry_address, member, config)
     try:
@@ -101,15 +104,18 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
         if size is None:
             size = await running_world_size(registry)
         view = await registry.join(size, args.plan.rank)
-        mesh.set_view(view)
-        device = _place(args, mesh.rank)
-    except BaseException:
-        with contextlib.suppress(Exception):
+        rank = view.rank_of(member_id)
+        assert rank is not None, "the registry's view must contain the member that joined"
+        comm = Communicator(links, tasks, registry, config, loop, _place(args, rank))
+        comm.open(view)  # installs the view, listens to the registry, starts heartbeats
+    except BaseException:  # clean up, then re-raise
+        with contextlib.suppress(DsmlError):
             await registry.leave()  # the registry must not keep a member that is not coming
         await registry.aclose()
-        await mesh.aclose()
+        await tasks.cancel_all()
+        await links.aclose()
         raise
-    return Communicator(mesh, registry, config, loop, device)
+    return comm
 
 
 def _place(args: _JoinArgs, rank: int) -> str:
