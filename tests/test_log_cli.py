@@ -85,3 +85,25 @@ def test_a_failing_rank_s_traceback_is_printed_once():
     err = result.stderr
     assert err.count('fail_on_rank.py", line 15, in main') == 1, err
     assert "rank 1's error (traceback above) ----\n  RuntimeError: rank 1 cannot find" in err
+
+
+def test_debug_level_shows_one_line_per_collective_on_every_rank():
+    result = dsml_cmd(
+        "run", "-n", "2", "examples/hello_all_reduce.py", env={"DSML_LOG_LEVEL": "debug"}
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        lines = [
+            line
+            for line in result.stderr.splitlines()
+            if line.startswith(f"[rank {rank}]") and "dsml.communicator" in line and " in " in line
+        ]
+        collectives = [line.split(f"[rank {rank} epoch 1] ", 1)[1].split(" (")[0] for line in lines]
+        # examples/hello_all_reduce.py makes exactly these calls
+        assert collectives == [
+            "all_reduce #1",
+            "broadcast #2",
+            "all_gather #3",
+            "barrier #4",
+            "all_reduce #5",
+        ], result.stderr

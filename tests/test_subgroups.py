@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from dsml import CommConfig, ConfigError, MembershipChangedError, PeerLostError
+from dsml import CommConfig, ConfigError, MembershipChangedError, PeerLostError, ProtocolError
 from dsml.testing import crash, open_local_cluster
 from tests.waiting import eventually
 
@@ -137,3 +137,26 @@ async def test_closing_a_sub_group_leaves_the_parent_working():
         assert all((r == 3).all() for r in results)
         with pytest.raises(ConfigError):
             subs[0].all_reduce(np.ones(2))
+
+
+def test_messages_for_a_sub_group_not_made_yet_are_held_within_a_budget_then_delivered():
+    from dsml.communicator import subgroups
+    from dsml.wire import Envelope, Kind
+
+    seen = []
+    parent = {Kind.CHUNK: lambda rank, env, payload: seen.append(("parent", rank, env.cid))}
+    demux = subgroups.Demux(parent)
+    group = subgroups.group_id(1, 0)
+    early = Envelope(Kind.CHUNK, 1, 4, (group << subgroups.GROUP_SHIFT) | 7)
+    demux.routes[Kind.CHUNK](4, early, [])
+    demux.routes[Kind.CHUNK](2, Envelope(Kind.CHUNK, 1, 2, 3), [])
+    assert seen == [("parent", 2, 3)]  # the sub-group's message waits
+    sub = {Kind.CHUNK: lambda rank, env, payload: seen.append(("sub", rank, env.cid, env.src))}
+    demux.add(group, sub, [1, 4])  # parent rank 4 is sub-rank 1
+    assert seen[-1] == ("sub", 1, 7, 1)
+    big = memoryview(bytearray(1 << 20))
+    other = (subgroups.group_id(2, 0) << subgroups.GROUP_SHIFT) | 1
+    for _ in range(256):  # 256 MiB held for a group not made yet: the budget
+        demux.routes[Kind.CHUNK](4, Envelope(Kind.CHUNK, 1, 4, other), [big])
+    with pytest.raises(ProtocolError, match="not made here"):
+        demux.routes[Kind.CHUNK](4, Envelope(Kind.CHUNK, 1, 4, other), [big])

@@ -23,7 +23,7 @@ import numpy as np
 
 import dsml
 from dsml.cli.bench import ROW_PREFIX
-from dsml.collectives import DTYPES, choose_all_reduce
+from dsml.collectives import DTYPES
 
 
 def iterations(nbytes: int) -> int:
@@ -65,10 +65,13 @@ async def measure(
 
 
 def chosen_algorithm(comm: dsml.Communicator, nbytes: int, algorithm: str) -> str:
-    """The algorithm that ran: `algorithm` itself, or the one `auto` picked at this size."""
-    if algorithm != "auto":
-        return algorithm
-    return choose_all_reduce(nbytes, comm.world_size)
+    """The algorithm that ran at this size, as the communicator recorded it: for `auto`,
+    the one it chose. Call it right after `measure` (whose last call, the max of the
+    times, is of another size)."""
+    for record in reversed(comm.stats()):
+        if record["kind"] == "all_reduce" and record["bytes"] == nbytes:
+            return str(record["algorithm"] or algorithm)
+    return algorithm
 
 
 def row(

@@ -39,7 +39,8 @@ __all__ = ["GROUP_SHIFT", "Demux", "SubLinks", "SubViews", "group_id", "split_me
 
 GROUP_SHIFT = 32  # a sub-group's own collective ids stay below 2**32
 _LOCAL = (1 << GROUP_SHIFT) - 1
-_MAX_EARLY = 10_000  # messages held for sub-groups this rank has not made yet
+_MAX_EARLY = 10_000  # messages held for sub-groups this rank has not made yet ...
+_MAX_EARLY_BYTES = 256 << 20  # ... and their payload bytes
 
 
 def group_id(split_index: int, color_index: int) -> int:
@@ -119,6 +120,7 @@ class Demux:
         self._subs: dict[int, tuple[Mapping[Kind, Inbound], dict[int, int]]] = {}
         self._early: dict[int, list[tuple[int, Envelope, list[memoryview]]]] = {}
         self._held = 0
+        self._held_bytes = 0
         self.routes: dict[Kind, Inbound] = {
             kind: functools.partial(self._dispatch, kind) for kind in parent
         }
@@ -128,6 +130,7 @@ class Demux:
         self._subs[group] = (inbound, {parent: sub for sub, parent in enumerate(members)})
         early = self._early.pop(group, [])
         self._held -= len(early)
+        self._held_bytes -= sum(p.nbytes for _, _, payload in early for p in payload)
         for rank, env, payload in early:
             self._dispatch(env.kind, rank, env, payload)
 
@@ -139,6 +142,7 @@ class Demux:
         self._subs.clear()
         self._early.clear()
         self._held = 0
+        self._held_bytes = 0
 
     def _dispatch(self, kind: Kind, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         group = env.cid >> GROUP_SHIFT
@@ -146,11 +150,13 @@ class Demux:
             self._parent[kind](rank, env, payload)
             return
         sub = self._subs.get(group)
-        if sub is None:
-            if self._held >= _MAX_EARLY:
+        if sub is None:  # a peer finished the split first: hold it until this rank has
+            size = sum(p.nbytes for p in payload)
+            if self._held >= _MAX_EARLY or self._held_bytes + size > _MAX_EARLY_BYTES:
                 raise ProtocolError(f"too many messages for sub-groups not made here ({group})")
             self._early.setdefault(group, []).append((rank, env, payload))
             self._held += 1
+            self._held_bytes += size
             return
         inbound, ranks = sub
         sub_rank = ranks.get(rank)
