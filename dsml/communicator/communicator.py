@@ -22,7 +22,7 @@ import numpy as np
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
 from ..engine.trace import TraceRecorder
-from ..errors import CollectiveAbortedError, ConfigError
+from ..errors import CollectiveAbortedError, ConfigError, MembershipChangedError
 from ..membership import RegistryClient, View
 from ..wire import Fingerprint
 from . import subgroups
@@ -328,13 +328,14 @@ class Communicator:
         if valid:
             row[2], row[3] = color or 0, key or 0
         rows = await self.all_gather(np.array([row], dtype=np.int64), timeout=timeout)
+        self._check_same_view(len(rows))
         bad = [r for r, (ok, *_rest) in enumerate(rows.tolist()) if not ok]
         if bad:
             raise ConfigError(
                 f"comm.split: rank(s) {bad} passed an invalid color or key (color: an int >= 0 "
                 "or None; key: an int or None); no sub-communicator was made"
             )
-        mine = subgroups.split_members([r[1:] for r in rows.tolist()], self.rank)
+        mine = subgroups.split_members([r[1:] for r in rows.tolist()], self._links.rank)
         if mine is None:
             return None
         color_index, members = mine
@@ -362,6 +363,7 @@ class Communicator:
         )
         row = np.array([int(valid), *(members if valid else [])], dtype=np.int64)
         flat = (await self.all_gather(row, timeout=timeout)).tolist()
+        self._check_same_view(self._links.size)
         lists, at = [], 0
         for _ in range(self.world_size):  # each rank's row: valid, then its ranks if valid
             ok = flat[at]
@@ -378,9 +380,19 @@ class Communicator:
                 "comm.new_group: the ranks did not all pass the same valid list of ranks "
                 f"(this rank passed {ranks!r}); no group was made"
             )
-        if self.rank not in members:
+        if self._links.rank not in members:
             return None
         return self._sub(subgroups.group_id(index, 0), members)
+
+    def _check_same_view(self, gathered: int) -> None:
+        """The group must not have changed between the all_gather and making the group."""
+        if gathered != self._links.size:
+            raise MembershipChangedError(
+                f"the group changed while rank {self._links.rank} was splitting it (epoch "
+                f"{self._links.epoch}); split again once the new view is in place",
+                rank=self._links.rank,
+                epoch=self._links.epoch,
+            )
 
     def _take_split(self) -> int:
         if isinstance(self._links, subgroups.SubLinks):
