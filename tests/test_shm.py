@@ -237,6 +237,7 @@ async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: 
         for b in base:
             np.testing.assert_array_equal(b[:, 1:4], np.arange(40.0).reshape(8, 5)[:, 1:4] * total)
         await asyncio.gather(*(c.barrier() for c in comms))
+        assert all(c._shm.plane.calls == 6 for c in comms)  # every call ran in shared memory
 
 
 async def test_ranks_calling_different_shapes_fail_with_a_mismatch_on_every_rank() -> None:
@@ -253,18 +254,23 @@ async def test_ranks_calling_different_shapes_fail_with_a_mismatch_on_every_rank
         assert all((y == 3).all() for y in ys)
 
 
-async def test_without_room_in_dev_shm_large_arrays_go_over_tcp_with_one_warning(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+async def test_without_room_in_dev_shm_large_arrays_go_over_tcp_with_one_warning() -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("dsml.shm")  # its own handler: dsml's logger may not propagate
+    logger.addHandler(handler)
     config = dsml.CommConfig(shm_max_bytes=256 << 10)  # as if /dev/shm were tiny
-    async with open_local_cluster(2, config=config) as comms:
-        with caplog.at_level(logging.WARNING, logger="dsml.shm"):
+    try:
+        async with open_local_cluster(2, config=config) as comms:
             for _ in range(2):
                 xs = [np.full(1 << 20, r + 1, np.int32) for r in range(2)]  # 4 MiB
                 await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
                 assert all((x == 3).all() for x in xs)
-        warnings = [r for r in caplog.records if "/dev/shm" in r.getMessage()]
-        assert len(warnings) == 2  # one per communicator, not one per call
+    finally:
+        logger.removeHandler(handler)
+    warnings = [r for r in records if "/dev/shm" in r.getMessage()]
+    assert len(warnings) == 2  # one per communicator, not one per call
 
 
 async def test_dsml_shm_0_keeps_every_collective_on_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,6 +282,7 @@ async def test_dsml_shm_0_keeps_every_collective_on_tcp(monkeypatch: pytest.Monk
         xs = [np.full(5, r + 1, np.int32) for r in range(2)]
         await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
         assert all((x == 3).all() for x in xs)
+        assert comms[0]._shm.plane.calls == 0
 
 
 def test_dsml_shm_config_is_validated() -> None:
@@ -308,6 +315,7 @@ async def test_broadcast_all_gather_and_reduce_scatter_in_shared_memory_are_exac
         for r, part in enumerate(parts):
             np.testing.assert_array_equal(part, np.array_split(total, world)[r])
         assert all((y == np.arange(n) % 7 + r).all() for r, y in enumerate(ys))  # inputs kept
+        assert all(c._shm.plane.calls == 3 for c in comms)  # all in shared memory
 
 
 @pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 1), (2, 3)])
@@ -335,6 +343,7 @@ async def test_hierarchical_all_reduce_over_hosts_is_exact(
             for x in xs:
                 np.testing.assert_allclose(x, expected, rtol=1e-12)
             assert len({x.tobytes() for x in xs}) == 1  # bitwise identical everywhere
+        assert all(c._shm.plane.calls == 3 for c in comms)  # the local phases ran
 
 
 async def test_a_rank_that_never_arrives_times_out_the_others_and_a_late_one_fails_too() -> None:

@@ -95,6 +95,7 @@ class SameHost:
         self._epoch = 0
         self._link: ShmLink | None = None
         self._warned = False
+        self.calls = 0  # calls run in shared memory (tests and diagnosis)
 
     def set_view(self, epoch: int, members: Sequence[HostMember], me: int) -> None:
         """Adopt a view (members in rank order, `me` this rank); drops the old link and
@@ -153,6 +154,7 @@ class SameHost:
         sync; `check(peer, theirs)` says what error a different record means; every wait
         ends raising the result of `unless` once it is done (the call failed)."""
         link = await self._connected(unless)
+        self.calls += 1
         if link.in_process:
             # Ranks of one process (dsml.testing): let the others start their calls (and
             # deadlines) before this one works, as separate processes would.

@@ -63,11 +63,11 @@ class ShmHook:
         """Whether the call being planned (on arrays of this backend) runs in shared
         memory; the answer depends only on the view and the array type, so every rank
         gives the same. If so, the call takes its turn (see `_wait_turn`)."""
-        return be is NUMPY and self.plane.all_local and self._take_turn()
+        return _is_numpy(be) and self.plane.all_local and self._take_turn()
 
     def claim_hierarchical(self, be: ArrayBackend) -> bool:
         """Like `claim`, for a hierarchical all_reduce (several hosts, as many ranks each)."""
-        return be is NUMPY and self.plane.ring_ranks() is not None and self._take_turn()
+        return _is_numpy(be) and self.plane.ring_ranks() is not None and self._take_turn()
 
     def _take_turn(self) -> bool:
         # Planning happens right after the runner numbered the call, in program order.
@@ -185,6 +185,12 @@ class ShmHook:
 
     def __repr__(self) -> str:
         return f"<ShmHook {self.plane!r}>"
+
+
+def _is_numpy(be: ArrayBackend) -> bool:
+    """numpy arrays (the backend may be wrapped, e.g. to time its work): shared memory
+    holds host memory only."""
+    return be is NUMPY or getattr(be, "inner", None) is NUMPY
 
 
 class _Ring:
