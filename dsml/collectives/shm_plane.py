@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ __all__ = ["HostMember", "SameHost", "ShmCall"]
 
 log = logging.getLogger("dsml.shm")
 T = TypeVar("T")
+OnWait = Callable[[int, float], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +46,20 @@ class ShmCall:
     """One call's `ShmGroup` over a link: it numbers the call's syncs."""
 
     def __init__(
-        self, link: ShmLink, cid: int, record: bytes, check: Check | None, unless: Unless
+        self,
+        link: ShmLink,
+        cid: int,
+        record: bytes,
+        check: Check | None,
+        unless: Unless,
+        on_wait: OnWait | None = None,
     ) -> None:
         self._link = link
         self._cid = cid
         self._record: bytes | None = record
         self._check = check
         self._unless = unless
+        self._on_wait = on_wait
         self._phase = 0
 
     @property
@@ -77,7 +86,14 @@ class ShmCall:
     async def sync(self, ok: bool = True) -> bool:
         self._phase += 1
         record, self._record = self._record, None
-        return await self._link.sync(self._cid, self._phase, record, ok, self._check, self._unless)
+        start = time.perf_counter()
+        try:
+            return await self._link.sync(
+                self._cid, self._phase, record, ok, self._check, self._unless
+            )
+        finally:
+            if self._on_wait is not None:
+                self._on_wait(self._phase, time.perf_counter() - start)
 
 
 class SameHost:
@@ -147,12 +163,14 @@ class SameHost:
         algorithm: Callable[[ShmCall], Awaitable[T]],
         check: Check | None = None,
         unless: Unless = None,
+        on_wait: OnWait | None = None,
     ) -> T:
         """Run `algorithm` on this call's ShmGroup; marks the call done or given up.
 
         `record` (the call's fingerprint bytes) is compared with every peer's at the first
         sync; `check(peer, theirs)` says what error a different record means; every wait
-        ends raising the result of `unless` once it is done (the call failed)."""
+        ends raising the result of `unless` once it is done (the call failed);
+        `on_wait(phase, seconds)` hears how long each sync waited."""
         link = await self._connected(unless)
         self.calls += 1
         if link.in_process:
@@ -161,7 +179,7 @@ class SameHost:
             await asyncio.sleep(0)
         try:
             await link.begin(cid, unless)
-            result = await algorithm(ShmCall(link, cid, record, check, unless))
+            result = await algorithm(ShmCall(link, cid, record, check, unless, on_wait))
         except BaseException:
             link.abandon(cid)
             raise

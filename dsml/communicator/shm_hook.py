@@ -27,6 +27,7 @@ from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolEr
 from ..membership import View
 from ..transport.shm_segment import ShmFullError
 from ..wire import Fingerprint
+from . import stats
 from .call import Call
 from .call_table import CallTable
 from .diagnose import mismatch_message
@@ -163,7 +164,9 @@ class ShmHook:
 
         await self._wait_turn(call)
         try:
-            return await self.plane.run(call.cid, record, algorithm, check, call.failed)
+            return await self.plane.run(
+                call.cid, record, algorithm, check, call.failed, _count_wait
+            )
         except ShmFullError as exc:
             raise CollectiveAbortedError(
                 f"rank {call.rank} found no room in /dev/shm for its shared-memory link "
@@ -185,6 +188,17 @@ class ShmHook:
 
     def __repr__(self) -> str:
         return f"<ShmHook {self.plane!r}>"
+
+
+def _count_wait(phase: int, seconds: float) -> None:
+    """comm.stats(): the first sync of a call waits for the peers to arrive, the others
+    for their work (the shared-memory counterpart of the wire)."""
+    record = stats.current.get()
+    if record is not None:
+        if phase == 1:
+            record.waiting_s += seconds
+        else:
+            record.wire_s += seconds
 
 
 def _is_numpy(be: ArrayBackend) -> bool:
