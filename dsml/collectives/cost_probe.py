@@ -1,0 +1,205 @@
+"""Measuring a group's links and agreeing on one cost model (collectives layer).
+
+Run by every rank of a new view, like a collective, before any `auto` call of that view.
+Each rank measures the link to its right ring neighbour; rank 0 gathers the samples, fits
+a `CostModel` (cost.py) and sends it to everyone, so every rank holds the same numbers
+and `auto` picks the same algorithm everywhere (choices computed apart from local
+samples could differ, and a mismatch would fail the call).
+
+Per link (rank r to r+1), in two phases so that a rank is not pinging and answering a
+ping at the same moment (odd P: rank 0 does both in phase 0; samples stay usable):
+
+1. ping-pong of a small message, `_ROUNDS` times after one warm-up: latency;
+2. `_BURST` small messages back to back, answered once: CPU time per extra message;
+
+then, with every link busy at once as in a ring step (this is what the ring sees, CPU
+contention included): every rank sends `_SHIFT_BYTES` to the right and times until the
+left neighbour's arrives, `_ROUNDS` times after a warm-up: seconds per byte.
+Rank 0 also times a local reduction (numpy add) for the per-byte reduce cost.
+
+Cost: about 2(2 + _ROUNDS + _BURST) small messages per link and _ROUNDS + 1 shifts of
+_SHIFT_BYTES; at 1 Gbit about 20 ms in all, on loopback about 2 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+from .cost import CostModel
+from .group import Group, Receipt, wait_receipts
+
+__all__ = ["LinkSample", "measure_cost", "model_from_samples"]
+
+_SMALL_BYTES = 64
+_SHIFT_BYTES = 512 * 1024
+_ROUNDS = 3
+_BURST = 16
+_REDUCE_BYTES = 1 << 20
+
+# Steps of the probe's messages (chunk numbers count messages within a step).
+_PING, _PONG = 0, 1  # + 2 * phase
+_SYNC, _SHIFT = 4, 5
+_SAMPLE, _MODEL = 6, 7
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSample:
+    """What one rank measured on the link to its right neighbour (seconds)."""
+
+    small_rtt_s: float  # median round trip of a small message
+    burst_s: float  # _BURST small messages sent back to back, until the answer
+    shift_s: float  # median time of a ring shift of _SHIFT_BYTES
+
+    def to_fields(self) -> dict[str, float]:
+        return {"rtt": self.small_rtt_s, "burst": self.burst_s, "shift": self.shift_s}
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> LinkSample:
+        """A peer's sample (checked: it arrives over the network)."""
+        keys = ("rtt", "burst", "shift")
+        if not isinstance(fields, dict) or set(fields) != set(keys):
+            raise ProtocolError(f"not a link sample: {fields!r:.200}")
+        values = [fields[k] for k in keys]
+        if not all(type(v) is float and 0 <= v < 1e4 for v in values):
+            raise ProtocolError(f"bad link sample: {fields!r:.200}")
+        return cls(*values)
+
+
+def model_from_samples(
+    samples: Sequence[LinkSample],
+    host_keys: Sequence[str],
+    gamma_s: float,
+    *,
+    default_chunk_bytes: int,
+    max_chunk_bytes: int,
+) -> CostModel:
+    """Fit the cost model to one sample per ring link (see cost.py for the parameters).
+
+    Latency and per-message time are the median over links (robust to one noisy link);
+    the per-byte time is the slowest link's, since a ring step waits for its slowest hop.
+    """
+    assert samples and len(host_keys) >= 1
+    alpha = statistics.median(s.small_rtt_s for s in samples) / 2
+    per_message = statistics.median(
+        max(0.0, (s.burst_s - s.small_rtt_s) / (_BURST - 1)) for s in samples
+    )
+    beta = max(max(0.0, s.shift_s - alpha) / _SHIFT_BYTES for s in samples)
+    counts: dict[str, int] = {}
+    for key in host_keys:
+        counts[key] = counts.get(key, 0) + 1
+    return CostModel(
+        world_size=len(host_keys),
+        hosts=len(counts),
+        ranks_per_host=max(counts.values()),
+        alpha_s=max(alpha, 1e-7),
+        beta_s=max(beta, 1e-12),
+        overhead_s=per_message,
+        gamma_s=max(gamma_s, 1e-12),
+        default_chunk_bytes=default_chunk_bytes,
+        max_chunk_bytes=max_chunk_bytes,
+    )
+
+
+async def measure_cost(
+    group: Group, host_keys: Sequence[str], *, default_chunk_bytes: int, max_chunk_bytes: int
+) -> CostModel:
+    """Measure this group and return the model rank 0 fitted (identical on every rank).
+
+    `host_keys[r]` names the host of rank r (equal keys: the same machine).
+    """
+    size, rank = group.size, group.rank
+    assert len(host_keys) == size
+    fit = {"default_chunk_bytes": default_chunk_bytes, "max_chunk_bytes": max_chunk_bytes}
+    if size == 1:
+        return model_from_samples([LinkSample(0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
+    sent: list[Receipt] = []
+    right, left = (rank + 1) % size, (rank - 1) % size
+    rtt = burst = 0.0
+    for phase in (0, 1):  # rank r pings in phase r % 2, so most ranks do one thing at a time
+        if rank % 2 == phase and left % 2 == phase:  # odd P: rank 0 does both in phase 0
+            (rtt, burst), _ = await asyncio.gather(
+                _ping(group, right, phase, sent), _pong(group, left, phase, sent)
+            )
+        elif rank % 2 == phase:
+            rtt, burst = await _ping(group, right, phase, sent)
+        elif left % 2 == phase:
+            await _pong(group, left, phase, sent)
+    mine = LinkSample(rtt, burst, await _shift(group, right, left, sent))
+    if rank != 0:
+        sent.append(await group.send(0, _SAMPLE, meta=mine.to_fields()))
+        msg = await group.recv(0, _MODEL, nbytes=0)
+        await wait_receipts(sent)
+        return CostModel.from_fields(msg.meta or {})
+    samples = [mine]
+    for peer in range(1, size):
+        samples.append(LinkSample.from_fields((await group.recv(peer, _SAMPLE, nbytes=0)).meta))
+    model = model_from_samples(samples, host_keys, _reduce_time(), **fit)
+    for peer in range(1, size):
+        sent.append(await group.send(peer, _MODEL, meta=model.to_fields()))
+    await wait_receipts(sent)
+    return model
+
+
+async def _ping(group: Group, peer: int, phase: int, sent: list[Receipt]) -> tuple[float, float]:
+    """Small round trips, then a burst; returns (median round trip, burst time)."""
+    small = memoryview(bytes(_SMALL_BYTES))
+    ping, pong = _PING + 2 * phase, _PONG + 2 * phase
+    rtts = []
+    for i in range(_ROUNDS + 1):
+        start = time.perf_counter()
+        sent.append(await group.send(peer, ping, i, small))
+        await group.recv(peer, pong, i, nbytes=_SMALL_BYTES)
+        rtts.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for j in range(_BURST):
+        sent.append(await group.send(peer, ping, _ROUNDS + 1 + j, small))
+    await group.recv(peer, pong, _ROUNDS + 1, nbytes=_SMALL_BYTES)
+    burst = time.perf_counter() - start
+    return statistics.median(rtts[1:]), burst
+
+
+async def _pong(group: Group, peer: int, phase: int, sent: list[Receipt]) -> None:
+    """The other end of `_ping`: answer each round trip, and the burst once."""
+    ping, pong = _PING + 2 * phase, _PONG + 2 * phase
+    for i in range(_ROUNDS + 1):
+        msg = await group.recv(peer, ping, i, nbytes=_SMALL_BYTES)
+        sent.append(await group.send(peer, pong, i, msg.payload))
+    for j in range(_BURST):
+        msg = await group.recv(peer, ping, _ROUNDS + 1 + j, nbytes=_SMALL_BYTES)
+    sent.append(await group.send(peer, pong, _ROUNDS + 1, msg.payload))
+
+
+async def _shift(group: Group, right: int, left: int, sent: list[Receipt]) -> float:
+    """Every rank sends a large message right at once; median time until the left's is in."""
+    token = memoryview(b"")
+    big = memoryview(bytearray(_SHIFT_BYTES))
+    times = []
+    for i in range(_ROUNDS + 1):
+        sent.append(await group.send(right, _SYNC, i, token))  # start (about) together
+        await group.recv(left, _SYNC, i, nbytes=0)
+        start = time.perf_counter()
+        sent.append(await group.send(right, _SHIFT, i, big))
+        await group.recv(left, _SHIFT, i, nbytes=_SHIFT_BYTES)
+        times.append(time.perf_counter() - start)
+        await wait_receipts(sent)  # `big` is reused: ZeroMQ must be done with it
+    return statistics.median(times[1:])
+
+
+def _reduce_time() -> float:
+    """Seconds per byte of a float32 sum into an array (median of a few)."""
+    a = np.ones(_REDUCE_BYTES // 4, dtype=np.float32)
+    b = np.ones_like(a)
+    times = []
+    for _ in range(_ROUNDS):
+        start = time.perf_counter()
+        np.add(a, b, out=a)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / _REDUCE_BYTES
