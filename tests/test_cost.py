@@ -17,15 +17,15 @@ SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * Mi
 
 def model(p: int = 4, **kw: float | int) -> CostModel:
     """A group of p hosts linked at 1 Gbit with 100 us latency, unless told otherwise."""
-    fields: dict[str, float | int] = dict(
-        world_size=p,
-        hosts=p,
-        ranks_per_host=1,
-        alpha_s=100e-6,
-        beta_s=8e-9,
-        overhead_s=10e-6,
-        gamma_s=0.5e-9,
-    )
+    fields: dict[str, float | int] = {
+        "world_size": p,
+        "hosts": p,
+        "ranks_per_host": 1,
+        "alpha_s": 100e-6,
+        "beta_s": 8e-9,
+        "overhead_s": 10e-6,
+        "gamma_s": 0.5e-9,
+    }
     fields.update(kw)
     return CostModel(**fields)  # type: ignore[arg-type]
 
@@ -40,7 +40,8 @@ def test_fit_link_recovers_latency_and_per_byte_time_from_two_round_trips() -> N
 
 def test_fit_link_never_returns_a_free_link_from_noisy_samples() -> None:
     a, b = fit_link(64, 1e-3, 1 << 20, 0.5e-3)  # the large round trip came back faster
-    assert a > 0 and b > 0
+    assert a > 0
+    assert b > 0
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 7])
@@ -164,7 +165,9 @@ def test_a_malformed_model_from_a_peer_is_a_protocol_error(change: dict[str, obj
 
 def test_a_model_describes_itself_in_readable_units() -> None:
     text = repr(model())
-    assert "100 us" in text and "0.125 GB/s" in text and "4 ranks on 4 host(s)" in text
+    assert "100 us" in text
+    assert "0.125 GB/s" in text
+    assert "4 ranks on 4 host(s)" in text
 
 
 def sample(rtt: float, burst: float, shift: float) -> LinkSample:

@@ -84,11 +84,13 @@ class CostModel:
     max_chunk_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        assert self.world_size >= 1 and 1 <= self.hosts <= self.world_size
+        assert self.world_size >= 1
+        assert 1 <= self.hosts <= self.world_size
         assert 1 <= self.ranks_per_host <= self.world_size
         for name in ("alpha_s", "beta_s", "overhead_s", "gamma_s"):
             value = getattr(self, name)
-            assert math.isfinite(value) and value >= 0, f"{name}={value!r}"
+            assert math.isfinite(value), f"{name}={value!r}"
+            assert value >= 0, f"{name}={value!r}"
 
     # -- predictions --------------------------------------------------------------------------
 
@@ -180,7 +182,8 @@ class CostModel:
     def describe(self) -> str:
         """One line with the fitted numbers in readable units."""
         return (
-            f"{self.world_size} ranks on {self.hosts} host(s): latency {self.alpha_s * 1e6:.0f} us, "
+            f"{self.world_size} ranks on {self.hosts} host(s): "
+            f"latency {self.alpha_s * 1e6:.0f} us, "
             f"{_rate(self.beta_s)} per link, {self.overhead_s * 1e6:.1f} us per message, "
             f"reduce {_rate(self.gamma_s)}"
         )

@@ -86,7 +86,8 @@ def model_from_samples(
     Latency and per-message time are the median over links (robust to one noisy link);
     the per-byte time is the slowest link's, since a ring step waits for its slowest hop.
     """
-    assert samples and len(host_keys) >= 1
+    assert samples
+    assert len(host_keys) >= 1
     alpha = statistics.median(s.small_rtt_s for s in samples) / 2
     per_message = statistics.median(
         max(0.0, (s.burst_s - s.small_rtt_s) / (_BURST - 1)) for s in samples
