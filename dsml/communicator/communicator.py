@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from ..collectives.cost import Choice, CostModel
+from ..collectives.cost_auto import AutoChooser
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
 from ..membership import RegistryClient, View
@@ -50,7 +52,12 @@ class Communicator:
         self._keeper = ViewKeeper(mesh, registry, config.view_timeout)
         self._runner = Runner(mesh, self._keeper, config, loop)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
-        self._planner = Planner(config.chunk_bytes, self._placement)
+        self._auto = AutoChooser(
+            lambda: (mesh.epoch, host_keys(mesh.view)),
+            default_chunk_bytes=config.chunk_bytes,
+            max_chunk_bytes=config.max_frame_bytes,
+        )
+        self._planner = Planner(config.chunk_bytes, self._placement, self._auto)
         self._p2p = PointToPoint(mesh, self._placement)
         self._keeper.listeners.append(lambda _old, _new: self._p2p.reset())
         self._link = EngineLink(
@@ -139,6 +146,19 @@ class Communicator:
         """ "cpu" or "cuda:N": where arrays this communicator creates without an input go
         (`recv`, `scatter` on non-roots). Collectives on an array work on its own device."""
         return self._placement.device
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model measured on this view, which `auto` chooses from (docs/auto.md).
+
+        None on a single host (a measured size table decides there) and, across hosts,
+        until the view's first `auto` all_reduce has measured it.
+        """
+        return self._auto.model
+
+    def all_reduce_choice(self, nbytes: int) -> Choice:
+        """What `all_reduce(algorithm="auto")` runs now for an array of nbytes."""
+        return self._auto.choice(nbytes, self._mesh.size)
 
     def statistics(self) -> dict[str, int]:
         """Counters of the data plane: messages dropped as malformed, of an older epoch
@@ -411,3 +431,10 @@ class Communicator:
             f"<Communicator rank={self.rank}/{self.world_size} epoch={self.epoch} "
             f"address={self.address} in_flight={len(self._mesh.calls)}{state}>"
         )
+
+
+def host_keys(view: View | None) -> list[str]:
+    """Per rank, where it runs: host name and IP (equal keys share a machine's network)."""
+    if view is None:
+        return []
+    return [f"{m.host}/{m.address.split('://', 1)[-1].rsplit(':', 1)[0]}" for m in view.members]

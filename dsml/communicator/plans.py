@@ -35,7 +35,8 @@ from ..collectives import (
     scatter_direct,
 )
 from ..collectives.chunking import split_spans
-from ..collectives.group import wait_receipts
+from ..collectives.cost_auto import AutoChooser
+from ..collectives.group import Group, wait_receipts
 from ..errors import ConfigError
 from ..wire import Fingerprint
 from .call import Call
@@ -92,10 +93,13 @@ def _rows_view(x: Array) -> Array:
 class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
-    def __init__(self, chunk_bytes: int, placement: Placement) -> None:
+    def __init__(
+        self, chunk_bytes: int, placement: Placement, auto: AutoChooser | None = None
+    ) -> None:
         self._pools: dict[str, BufferPool] = {}
         self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
         self._placement = placement
+        self._auto = auto  # what `auto` runs across hosts (None: the size table)
 
     def pool(self, be: ArrayBackend) -> BufferPool:
         if be.name not in self._pools:
@@ -146,26 +150,27 @@ class Planner:
         x, be, dtype = self._array(x, writable=True)
         reduce_op = check_op(op, dtype)
         algo = check_algorithm(algorithm)
-        if algo == "auto":
+        # Across hosts, auto runs what the view's measured cost model picks (agreed by all
+        # ranks, chunk size included, so the fingerprint leaves the chunk open).
+        ticket = self._auto.ticket() if algo == "auto" and self._auto and size > 1 else None
+        if algo == "auto" and ticket is None:
             algo = choose_all_reduce(x.nbytes, size)
+        chunk = None if ticket is not None else self._chunk
         fp = Fingerprint(
-            "all_reduce",
-            dtype,
-            x.size,
-            x.shape,
-            reduce_op.value,
-            None,
-            algo,
-            chunk_bytes=self._chunk,
+            "all_reduce", dtype, x.size, x.shape, reduce_op.value, None, algo, chunk_bytes=chunk
         )
 
         async def body(call: Call) -> Array:
             if call.size == 1:
                 return x
+            group: Group = call
+            run = algo
+            if ticket is not None:
+                group, run = await ticket.resolve(call, x.nbytes)
             src, copy = self._flat_input(be, x)
             work = self.pool(be).acquire(x.size, src.dtype)
             dst = src if copy is None else work  # x itself when contiguous: no final copy
-            pending = await ALL_REDUCE[algo](call, be, src, work, dst, reduce_op)
+            pending = await ALL_REDUCE[run](group, be, src, work, dst, reduce_op)
             if dst is work:
                 be.copy_out(work, x)
             self.pool(be).release(work, pending)
