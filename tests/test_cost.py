@@ -23,6 +23,7 @@ def model(p: int = 4, **kw: float | int) -> CostModel:
         "ranks_per_host": 1,
         "alpha_s": 100e-6,
         "beta_s": 8e-9,
+        "beta_all_s": 9e-9,
         "overhead_s": 10e-6,
         "gamma_s": 0.5e-9,
     }
@@ -86,9 +87,17 @@ def test_more_messages_cost_more_when_each_has_an_overhead() -> None:
     assert m.predict("ring", 64 * MiB, 64 * KiB) > m.predict("ring", 64 * MiB, 4 * MiB)
 
 
-def test_smaller_chunks_hide_more_of_the_reduction_when_messages_are_free() -> None:
-    m = model(overhead_s=0.0, gamma_s=4e-9)
-    assert m.predict("ring", 64 * MiB, 64 * KiB) < m.predict("ring", 64 * MiB, 16 * MiB)
+def test_chunks_keep_the_ring_busy_where_one_chunk_per_step_stores_and_forwards() -> None:
+    m = model(overhead_s=0.0)
+    p, n = m.world_size, 64 * MiB
+    assert m.predict("ring", n, MiB) == pytest.approx(2 * (p - 1) * n / p * m.beta_s)
+    assert m.predict("ring", n, 64 * MiB) > m.predict("ring", n, MiB)
+
+
+def test_the_best_ring_chunk_balances_message_overhead_against_pipelining() -> None:
+    m = model(world_size=4, overhead_s=70e-6, alpha_s=300e-6)
+    chunk = m.choose(16 * MiB, ("ring",)).chunk_bytes
+    assert 64 * KiB < chunk < 4 * MiB
 
 
 def test_slow_links_choose_bandwidth_optimal_algorithms_for_large_arrays() -> None:
@@ -170,17 +179,22 @@ def test_a_model_describes_itself_in_readable_units() -> None:
     assert "4 ranks on 4 host(s)" in text
 
 
-def sample(rtt: float, burst: float, shift: float) -> LinkSample:
-    return LinkSample(rtt, burst, shift)
+def sample(rtt: float, burst: float, shift: float, spread: float | None = None) -> LinkSample:
+    return LinkSample(rtt, burst, shift, shift if spread is None else spread)
 
 
 def test_fitting_takes_median_latency_and_the_slowest_links_bandwidth() -> None:
-    samples = [sample(200e-6, 500e-6, 5e-3), sample(210e-6, 500e-6, 9e-3), sample(1e-3, 2e-3, 5e-3)]
+    samples = [
+        sample(200e-6, 500e-6, 5e-3, 6e-3),
+        sample(210e-6, 500e-6, 9e-3, 7e-3),
+        sample(1e-3, 2e-3, 5e-3, 5e-3),
+    ]
     m = model_from_samples(
         samples, ["a", "b", "c"], 1e-9, default_chunk_bytes=4 * MiB, max_chunk_bytes=64 * MiB
     )
     assert m.alpha_s == pytest.approx(105e-6)
     assert m.beta_s == pytest.approx((9e-3 - 105e-6) / (512 * KiB))
+    assert m.beta_all_s == pytest.approx((7e-3 - 105e-6) / (512 * KiB))
     assert m.overhead_s == pytest.approx((500e-6 - 200e-6) / 15)  # median of the links
     assert (m.world_size, m.hosts, m.ranks_per_host) == (3, 3, 1)
 
@@ -196,7 +210,7 @@ def test_fitting_counts_ranks_that_share_a_host() -> None:
 def test_a_malformed_link_sample_from_a_peer_is_a_protocol_error() -> None:
     good = sample(1e-4, 2e-4, 1e-3).to_fields()
     assert LinkSample.from_fields(good) == sample(1e-4, 2e-4, 1e-3)
-    for bad in ({**good, "rtt": -1.0}, {**good, "shift": 1}, {"rtt": 1.0}, [1.0, 2.0, 3.0]):
+    for bad in ({**good, "rtt": -1.0}, {**good, "shift": 1}, {"rtt": 1.0}, [1.0, 2.0, 3.0, 4.0]):
         with pytest.raises(ProtocolError):
             LinkSample.from_fields(bad)
 

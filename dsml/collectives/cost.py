@@ -3,29 +3,34 @@
 Pure arithmetic: no I/O. `cost_probe.py` measures a group and builds the model; the
 communicator asks it which algorithm and chunk size `auto` stands for at a given size.
 
-The model has five numbers, in the style of Thakur, Rabenseifner and Gropp (2005):
+The model has six numbers, in the style of Thakur, Rabenseifner and Gropp (2005):
 
 - `alpha_s`: one-way latency of a small message (half a ping-pong's round trip);
-- `beta_s`: seconds per byte on the slowest link of the ring;
+- `beta_s`: seconds per byte when every rank sends to its ring neighbour at once;
+- `beta_all_s`: seconds per byte a rank sends when every rank sends to all the others at
+  once (several flows share each link: on shaped TCP links this costs more than beta);
 - `overhead_s`: CPU time one rank spends per extra message (back-to-back sends);
 - `gamma_s`: seconds per byte to reduce one array into another on this machine;
 - `ranks_per_host`: the most ranks that share one host (and so one network card).
 
-With P ranks, n bytes, s = n/P and k chunks per message stream, the predicted times are
-(a reduction overlaps the transfer of the next chunk, so only the slower of the two
-counts in full: `over(b) = b*max(beta, gamma) + (b/k)*min(beta, gamma)`):
+With P ranks, n bytes, s = n/P, chunk c and k = ceil(b/c) chunks of a b-byte stream: a
+pipelined stage of b bytes takes `stage(b) = max(b*beta, a + c*(beta + gamma))`: the
+link stays busy as long as the next stage's first chunk (sent, received, reduced) is in
+before the current stage's last one leaves; with one chunk per stage, stages store and
+forward. Then
 
-    ring    (P-1) * (2a + 2ko + over(s) + s*beta)                        # 2(P-1) hops
-    mesh    2a + 2(P-1)ko + over((P-1)s) + (P-1)s*beta'                  # 2 hops, direct
-    naive   2a + 2(P-1)ko + over((P-1)n) + (P-1)n*beta'                  # rank 0 does all
-    tree    lg(P) * (a + ko + over(n)) [+ 2(a + ko + n*beta') if P is no power of 2]
-    direct  a + (P-1)ko + (P-1)n*beta' + (P-1)n*gamma                    # everyone to all
+    ring    (P-1) * (stage(s) + stage(s) without gamma) + 2(P-1) k o         # 2(P-1) hops
+    mesh    2(P-1) s beta' + a + c (beta' + gamma) + 2(P-1) k o              # 2 hops
+    naive   2 (a + (P-1) n beta') + c gamma + 2(P-1) k o                     # rank 0 does all
+    tree    lg P (a + n beta + c gamma + k o)  [+ 2 (a + n beta + k o) if P is no power of 2]
+    direct  a + (P-1) n (beta' + gamma) + (P-1) k o                          # everyone to all
 
-where beta' is beta times `ranks_per_host` when the group spans several hosts (every rank
-of a host sends across at once in those algorithms, while the ring crosses each host
-boundary once). A host's ranks share its CPUs as well, which a ping-pong between two of
-them cannot see; so a group on a single host keeps the size table measured there
-(`select.py`), and the model decides only across hosts.
+where beta' is beta_all times `ranks_per_host` when the group spans several hosts (every
+rank of a host sends across at once in those algorithms, while the ring crosses each host
+boundary once). With gamma and o zero and one chunk, the ring's line is Thakur's
+2(P-1)a + 2(P-1)/P n beta. A host's ranks share its CPUs as well, which a measurement
+between two of them cannot see; so a group on a single host keeps the size table measured
+there (`select.py`), and the model decides only across hosts.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class CostModel:
     ranks_per_host: int
     alpha_s: float
     beta_s: float
+    beta_all_s: float
     overhead_s: float
     gamma_s: float
     default_chunk_bytes: int = 4 << 20
@@ -87,7 +93,7 @@ class CostModel:
         assert self.world_size >= 1
         assert 1 <= self.hosts <= self.world_size
         assert 1 <= self.ranks_per_host <= self.world_size
-        for name in ("alpha_s", "beta_s", "overhead_s", "gamma_s"):
+        for name in ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s"):
             value = getattr(self, name)
             assert math.isfinite(value), f"{name}={value!r}"
             assert value >= 0, f"{name}={value!r}"
@@ -100,34 +106,34 @@ class CostModel:
         if p == 1:
             return 0.0
         a, o, beta, gamma = self.alpha_s, self.overhead_s, self.beta_s, self.gamma_s
-        shared = beta * (self.ranks_per_host if self.hosts > 1 else 1)
-
-        def chunks(b: float) -> int:
-            return max(1, math.ceil(b / chunk_bytes))
-
-        def over(b: float, k: int) -> float:  # receive b bytes and reduce them, pipelined
-            return b * max(beta, gamma) + b / k * min(beta, gamma)
-
+        spread = self.beta_all_s * (self.ranks_per_host if self.hosts > 1 else 1)
         s = n / p
+
+        def chunks(b: float) -> tuple[int, float]:  # (chunks of a b-byte stream, their size)
+            k = max(1, math.ceil(b / chunk_bytes))
+            return k, b / k
+
+        def stage(b: float, c: float, g: float) -> float:
+            return max(b * beta, a + c * (beta + g))
+
         if algorithm == "ring":
-            k = chunks(s)
-            return (p - 1) * (2 * a + 2 * k * o + over(s, k) + s * beta)
+            k, c = chunks(s)
+            return (p - 1) * (stage(s, c, gamma) + stage(s, c, 0.0) + 2 * k * o)
         if algorithm == "mesh":
-            k = chunks(s)
-            return 2 * a + 2 * (p - 1) * k * o + over((p - 1) * s, k) + (p - 1) * s * shared
+            k, c = chunks(s)
+            return 2 * (p - 1) * (s * spread + k * o) + a + c * (spread + gamma)
         if algorithm == "naive":
-            k = chunks(n)
-            return 2 * a + 2 * (p - 1) * k * o + over((p - 1) * n, k) + (p - 1) * n * shared
+            k, c = chunks(n)
+            return 2 * (a + (p - 1) * (n * spread + k * o)) + c * gamma
         if algorithm == "tree":
-            k = chunks(n)
-            rounds = p.bit_length() - 1
-            t = rounds * (a + k * o + over(n, k))
+            k, c = chunks(n)
+            t = (p.bit_length() - 1) * (a + n * beta + c * gamma + k * o)
             if p & (p - 1):
-                t += 2 * (a + k * o + n * shared)
+                t += 2 * (a + n * beta + k * o)
             return t
         if algorithm == "direct":
-            k = chunks(n)
-            return a + (p - 1) * k * o + (p - 1) * n * (shared + gamma)
+            k, c = chunks(n)
+            return a + (p - 1) * (n * (spread + gamma) + k * o)
         raise ValueError(f"no cost formula for all_reduce algorithm {algorithm!r}")
 
     def chunk_choices(self) -> list[int]:
@@ -165,7 +171,7 @@ class CostModel:
     def from_fields(cls, fields: dict[str, Any]) -> CostModel:
         """The model back from `to_fields` (a peer's message: every value is checked)."""
         ints = ("world_size", "hosts", "ranks_per_host", "default_chunk_bytes", "max_chunk_bytes")
-        floats = ("alpha_s", "beta_s", "overhead_s", "gamma_s")
+        floats = ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s")
         if not isinstance(fields, dict) or set(fields) != set(ints + floats):
             raise ProtocolError(f"not a cost model: {fields!r:.200}")
         for name in ints:
@@ -184,7 +190,8 @@ class CostModel:
         return (
             f"{self.world_size} ranks on {self.hosts} host(s): "
             f"latency {self.alpha_s * 1e6:.0f} us, "
-            f"{_rate(self.beta_s)} per link, {self.overhead_s * 1e6:.1f} us per message, "
+            f"{_rate(self.beta_s)} per link ({_rate(self.beta_all_s)} sending to all), "
+            f"{self.overhead_s * 1e6:.1f} us per message, "
             f"reduce {_rate(self.gamma_s)}"
         )
 

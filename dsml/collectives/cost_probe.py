@@ -14,11 +14,13 @@ ping at the same moment (odd P: rank 0 does both in phase 0; samples stay usable
 
 then, with every link busy at once as in a ring step (this is what the ring sees, CPU
 contention included): every rank sends `_SHIFT_BYTES` to the right and times until the
-left neighbour's arrives, `_ROUNDS` times after a warm-up: seconds per byte.
+left neighbour's arrives, `_ROUNDS` times after a warm-up: seconds per byte; and the same
+with every rank sending `_SHIFT_BYTES` split among all the others (as mesh, naive and
+direct do): seconds per byte sent when flows share the links.
 Rank 0 also times a local reduction (numpy add) for the per-byte reduce cost.
 
-Cost: about 2(2 + _ROUNDS + _BURST) small messages per link and _ROUNDS + 1 shifts of
-_SHIFT_BYTES; at 1 Gbit about 20 ms in all, on loopback about 2 ms.
+Cost: about 2(2 + _ROUNDS + _BURST) small messages per link and 2(_ROUNDS + 1) shifts of
+_SHIFT_BYTES per rank; at 1 Gbit about 40 ms in all, on loopback a few ms.
 """
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ _SMALL_BYTES = 64
 _SHIFT_BYTES = 512 * 1024
 _ROUNDS = 3
 _BURST = 16
-_REDUCE_BYTES = 1 << 20
+_REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
 
 # Steps of the probe's messages (chunk numbers count messages within a step).
 _PING, _PONG = 0, 1  # + 2 * phase
-_SYNC, _SHIFT = 4, 5
-_SAMPLE, _MODEL = 6, 7
+_SYNC, _SHIFT, _SPREAD = 4, 5, 6
+_SAMPLE, _MODEL = 7, 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +59,20 @@ class LinkSample:
     small_rtt_s: float  # median round trip of a small message
     burst_s: float  # _BURST small messages sent back to back, until the answer
     shift_s: float  # median time of a ring shift of _SHIFT_BYTES
+    spread_s: float  # median time to send _SHIFT_BYTES split among all others (and receive)
 
     def to_fields(self) -> dict[str, float]:
-        return {"rtt": self.small_rtt_s, "burst": self.burst_s, "shift": self.shift_s}
+        return {
+            "rtt": self.small_rtt_s,
+            "burst": self.burst_s,
+            "shift": self.shift_s,
+            "spread": self.spread_s,
+        }
 
     @classmethod
     def from_fields(cls, fields: Any) -> LinkSample:
         """A peer's sample (checked: it arrives over the network)."""
-        keys = ("rtt", "burst", "shift")
+        keys = ("rtt", "burst", "shift", "spread")
         if not isinstance(fields, dict) or set(fields) != set(keys):
             raise ProtocolError(f"not a link sample: {fields!r:.200}")
         values = [fields[k] for k in keys]
@@ -93,6 +101,7 @@ def model_from_samples(
         max(0.0, (s.burst_s - s.small_rtt_s) / (_BURST - 1)) for s in samples
     )
     beta = max(max(0.0, s.shift_s - alpha) / _SHIFT_BYTES for s in samples)
+    beta_all = max(max(0.0, s.spread_s - alpha) / _SHIFT_BYTES for s in samples)
     counts: dict[str, int] = {}
     for key in host_keys:
         counts[key] = counts.get(key, 0) + 1
@@ -102,6 +111,7 @@ def model_from_samples(
         ranks_per_host=max(counts.values()),
         alpha_s=max(alpha, 1e-7),
         beta_s=max(beta, 1e-12),
+        beta_all_s=max(beta_all, 1e-12),
         overhead_s=per_message,
         gamma_s=max(gamma_s, 1e-12),
         default_chunk_bytes=default_chunk_bytes,
@@ -120,7 +130,7 @@ async def measure_cost(
     assert len(host_keys) == size
     fit = {"default_chunk_bytes": default_chunk_bytes, "max_chunk_bytes": max_chunk_bytes}
     if size == 1:
-        return model_from_samples([LinkSample(0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
+        return model_from_samples([LinkSample(0.0, 0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
     sent: list[Receipt] = []
     right, left = (rank + 1) % size, (rank - 1) % size
     rtt = burst = 0.0
@@ -133,7 +143,8 @@ async def measure_cost(
             rtt, burst = await _ping(group, right, phase, sent)
         elif left % 2 == phase:
             await _pong(group, left, phase, sent)
-    mine = LinkSample(rtt, burst, await _shift(group, right, left, sent))
+    shift = await _shift(group, right, left, sent)
+    mine = LinkSample(rtt, burst, shift, await _spread(group, sent))
     if rank != 0:
         sent.append(await group.send(0, _SAMPLE, meta=mine.to_fields()))
         msg = await group.recv(0, _MODEL, nbytes=0)
@@ -191,6 +202,27 @@ async def _shift(group: Group, right: int, left: int, sent: list[Receipt]) -> fl
         await group.recv(left, _SHIFT, i, nbytes=_SHIFT_BYTES)
         times.append(time.perf_counter() - start)
         await wait_receipts(sent)  # `big` is reused: ZeroMQ must be done with it
+    return statistics.median(times[1:])
+
+
+async def _spread(group: Group, sent: list[Receipt]) -> float:
+    """Every rank sends _SHIFT_BYTES split among all others at once; median time until all
+    of its own parts are in (after a ring token, so that ranks start about together)."""
+    size, rank = group.size, group.rank
+    part = _SHIFT_BYTES // (size - 1)
+    big = memoryview(bytearray(part))
+    peers = [(rank + d) % size for d in range(1, size)]
+    times = []
+    for i in range(_ROUNDS + 1):
+        sent.append(await group.send((rank + 1) % size, _SYNC, _ROUNDS + 1 + i))
+        await group.recv((rank - 1) % size, _SYNC, _ROUNDS + 1 + i, nbytes=0)
+        start = time.perf_counter()
+        for peer in peers:
+            sent.append(await group.send(peer, _SPREAD, i, big))
+        for peer in reversed(peers):
+            await group.recv(peer, _SPREAD, i, nbytes=part)
+        times.append(time.perf_counter() - start)
+        await wait_receipts(sent)
     return statistics.median(times[1:])
 
 
