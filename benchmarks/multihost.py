@@ -73,10 +73,8 @@ def run_ranks(hosts: NetnsHosts, argv: list[str], env_of: Any, timeout_s: float)
     return outputs[0]
 
 
-def dsml_run(
-    hosts: NetnsHosts, sizes: list[int], algorithms: str, budget: float, chunk_bytes: int = 0
-) -> str:
-    """One group of len(hosts) ranks (registry on host 0) running every algorithm."""
+def dsml_group(hosts: NetnsHosts, argv: list[str]) -> str:
+    """Run argv as one dsml group, a rank per host (registry on host 0); rank 0's output."""
     address = f"tcp://{hosts[0].address}:{PORT}"
     registry = hosts[0].popen(
         [sys.executable, "-m", "dsml", "registry", "--address", address],
@@ -88,9 +86,6 @@ def dsml_run(
         line = registry.stdout.readline()  # "dsml registry serving on ..."
         if "serving" not in line:
             raise RuntimeError(f"the registry did not start: {line!r}")
-        argv = [sys.executable, WORKER, "dsml", "--sizes", ",".join(map(str, sizes))]
-        argv += ["--algorithms", algorithms, "--budget", str(budget)]
-        argv += ["--chunk-bytes", str(chunk_bytes)] if chunk_bytes else []
         return run_ranks(
             hosts,
             argv,
@@ -105,6 +100,16 @@ def dsml_run(
     finally:
         registry.terminate()
         registry.wait(timeout=10)
+
+
+def dsml_run(
+    hosts: NetnsHosts, sizes: list[int], algorithms: str, budget: float, chunk_bytes: int = 0
+) -> str:
+    """Every algorithm at every size in one group of len(hosts) ranks."""
+    argv = [sys.executable, WORKER, "dsml", "--sizes", ",".join(map(str, sizes))]
+    argv += ["--algorithms", algorithms, "--budget", str(budget)]
+    argv += ["--chunk-bytes", str(chunk_bytes)] if chunk_bytes else []
+    return dsml_group(hosts, argv)
 
 
 def gloo_run(hosts: NetnsHosts, sizes: list[int], budget: float) -> str:
