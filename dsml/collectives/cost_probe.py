@@ -10,11 +10,12 @@ Per link (rank r to r+1), in two phases so that a rank is not pinging and answer
 ping at the same moment (odd P: rank 0 does both in phase 0; samples stay usable):
 
 1. ping-pong of a small message, `_ROUNDS` times after one warm-up: latency;
-2. `_BURST` small messages back to back, answered once: CPU time per extra message;
+2. `_BURST` small messages back to back, answered once: time per extra message;
 
 then, with every link busy at once as in a ring step (this is what the ring sees, CPU
 contention included): every rank sends `_SHIFT_BYTES` to the right and times until the
-left neighbour's arrives, `_ROUNDS` times after a warm-up: seconds per byte; and the same
+left neighbour's arrives, `_ROUNDS` times after a warm-up: seconds per byte (and the CPU
+time per message when the same bytes go in `_PIECES` messages); and the same
 with every rank sending `_SHIFT_BYTES` split among all the others (as mesh, naive and
 direct do): seconds per byte sent when flows share the links.
 Rank 0 also times a local reduction (numpy add) for the per-byte reduce cost.
@@ -44,6 +45,7 @@ _SMALL_BYTES = 64
 _SHIFT_BYTES = 512 * 1024
 _ROUNDS = 3
 _BURST = 16
+_PIECES = 8  # a shift in this many messages, for the CPU cost of a chunk
 _REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
 
 # Steps of the probe's messages (chunk numbers count messages within a step).
@@ -60,6 +62,7 @@ class LinkSample:
     burst_s: float  # _BURST small messages sent back to back, until the answer
     shift_s: float  # median time of a ring shift of _SHIFT_BYTES
     spread_s: float  # median time to send _SHIFT_BYTES split among all others (and receive)
+    chunk_cpu_s: float  # median CPU time per extra message of a shift cut in _PIECES
 
     def to_fields(self) -> dict[str, float]:
         return {
@@ -67,12 +70,13 @@ class LinkSample:
             "burst": self.burst_s,
             "shift": self.shift_s,
             "spread": self.spread_s,
+            "chunk_cpu": self.chunk_cpu_s,
         }
 
     @classmethod
     def from_fields(cls, fields: Any) -> LinkSample:
         """A peer's sample (checked: it arrives over the network)."""
-        keys = ("rtt", "burst", "shift", "spread")
+        keys = ("rtt", "burst", "shift", "spread", "chunk_cpu")
         if not isinstance(fields, dict) or set(fields) != set(keys):
             raise ProtocolError(f"not a link sample: {fields!r:.200}")
         values = [fields[k] for k in keys]
@@ -98,7 +102,7 @@ def model_from_samples(
     assert len(host_keys) >= 1
     alpha = statistics.median(s.small_rtt_s for s in samples) / 2
     per_message = statistics.median(
-        max(0.0, (s.burst_s - s.small_rtt_s) / (_BURST - 1)) for s in samples
+        max((s.burst_s - s.small_rtt_s) / (_BURST - 1), s.chunk_cpu_s) for s in samples
     )
     beta = max(max(0.0, s.shift_s - alpha) / _SHIFT_BYTES for s in samples)
     beta_all = max(max(0.0, s.spread_s - alpha) / _SHIFT_BYTES for s in samples)
@@ -130,7 +134,7 @@ async def measure_cost(
     assert len(host_keys) == size
     fit = {"default_chunk_bytes": default_chunk_bytes, "max_chunk_bytes": max_chunk_bytes}
     if size == 1:
-        return model_from_samples([LinkSample(0.0, 0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
+        return model_from_samples([LinkSample(0.0, 0.0, 0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
     sent: list[Receipt] = []
     right, left = (rank + 1) % size, (rank - 1) % size
     rtt = burst = 0.0
@@ -143,8 +147,8 @@ async def measure_cost(
             rtt, burst = await _ping(group, right, phase, sent)
         elif left % 2 == phase:
             await _pong(group, left, phase, sent)
-    shift = await _shift(group, right, left, sent)
-    mine = LinkSample(rtt, burst, shift, await _spread(group, sent))
+    shift, chunk_cpu = await _shift(group, right, left, sent)
+    mine = LinkSample(rtt, burst, shift, await _spread(group, sent), chunk_cpu)
     if rank != 0:
         sent.append(await group.send(0, _SAMPLE, meta=mine.to_fields()))
         msg = await group.recv(0, _MODEL, nbytes=0)
@@ -189,20 +193,37 @@ async def _pong(group: Group, peer: int, phase: int, sent: list[Receipt]) -> Non
     sent.append(await group.send(peer, pong, _ROUNDS + 1, msg.payload))
 
 
-async def _shift(group: Group, right: int, left: int, sent: list[Receipt]) -> float:
-    """Every rank sends a large message right at once; median time until the left's is in."""
+async def _shift(group: Group, right: int, left: int, sent: list[Receipt]) -> tuple[float, float]:
+    """Every rank sends a large message right at once: (median time until the left's is
+    in, median CPU time per extra message when the same bytes go in _PIECES messages).
+
+    CPU time (this process, ZeroMQ's I/O thread included) rather than wall time: on a
+    loaded machine it still says what a message costs, and it counts the large zero-copy
+    messages that chunking makes, which cost more than the small ones of the burst.
+    """
     token = memoryview(b"")
     big = memoryview(bytearray(_SHIFT_BYTES))
-    times = []
+    times, extra_cpu = [], []
     for i in range(_ROUNDS + 1):
-        sent.append(await group.send(right, _SYNC, i, token))  # start (about) together
-        await group.recv(left, _SYNC, i, nbytes=0)
-        start = time.perf_counter()
-        sent.append(await group.send(right, _SHIFT, i, big))
-        await group.recv(left, _SHIFT, i, nbytes=_SHIFT_BYTES)
-        times.append(time.perf_counter() - start)
-        await wait_receipts(sent)  # `big` is reused: ZeroMQ must be done with it
-    return statistics.median(times[1:])
+        cpu = []
+        for parts in (1, _PIECES):
+            chunk0 = i * (1 + _PIECES) + (0 if parts == 1 else 1)
+            sent.append(await group.send(right, _SYNC, 2 * i + (parts > 1), token))
+            await group.recv(left, _SYNC, 2 * i + (parts > 1), nbytes=0)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            size = _SHIFT_BYTES // parts
+            for j in range(parts):
+                sent.append(
+                    await group.send(right, _SHIFT, chunk0 + j, big[j * size : (j + 1) * size])
+                )
+            for j in range(parts):
+                await group.recv(left, _SHIFT, chunk0 + j, nbytes=size)
+            if parts == 1:
+                times.append(time.perf_counter() - start)
+            await wait_receipts(sent)  # `big` is reused: ZeroMQ must be done with it
+            cpu.append(time.process_time() - start_cpu)
+        extra_cpu.append(max(0.0, cpu[1] - cpu[0]) / (_PIECES - 1))
+    return statistics.median(times[1:]), statistics.median(extra_cpu[1:])
 
 
 async def _spread(group: Group, sent: list[Receipt]) -> float:
@@ -214,8 +235,8 @@ async def _spread(group: Group, sent: list[Receipt]) -> float:
     peers = [(rank + d) % size for d in range(1, size)]
     times = []
     for i in range(_ROUNDS + 1):
-        sent.append(await group.send((rank + 1) % size, _SYNC, _ROUNDS + 1 + i))
-        await group.recv((rank - 1) % size, _SYNC, _ROUNDS + 1 + i, nbytes=0)
+        sent.append(await group.send((rank + 1) % size, _SYNC, 2 * (_ROUNDS + 1) + i))
+        await group.recv((rank - 1) % size, _SYNC, 2 * (_ROUNDS + 1) + i, nbytes=0)
         start = time.perf_counter()
         for peer in peers:
             sent.append(await group.send(peer, _SPREAD, i, big))
