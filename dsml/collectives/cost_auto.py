@@ -27,8 +27,9 @@ from .select import choose_all_reduce
 
 __all__ = ["AutoChooser", "AutoTicket", "WithChunk"]
 
-#: The current view as the chooser needs it: (epoch, host key of each rank).
-ViewInfo = Callable[[], tuple[int, Sequence[str]]]
+#: The current view's epoch, and the host key of each of its ranks.
+Epoch = Callable[[], int]
+Hosts = Callable[[], Sequence[str]]
 
 
 class WithChunk:
@@ -89,8 +90,11 @@ class AutoTicket:
 class AutoChooser:
     """The cost model of the current view and the choices `auto` makes from it."""
 
-    def __init__(self, view: ViewInfo, *, default_chunk_bytes: int, max_chunk_bytes: int):
-        self._view = view
+    def __init__(
+        self, epoch: Epoch, hosts: Hosts, *, default_chunk_bytes: int, max_chunk_bytes: int
+    ):
+        self._current_epoch, self._current_hosts = epoch, hosts
+        self._seen: tuple[int, list[str], bool] = (-1, [], False)  # epoch, hosts, one host
         self._chunks = {
             "default_chunk_bytes": default_chunk_bytes,
             "max_chunk_bytes": max_chunk_bytes,
@@ -122,14 +126,18 @@ class AutoChooser:
 
         None when the view is on a single host: the size table decides, at once.
         """
-        epoch, hosts = self._view()
-        if len(set(hosts)) <= 1:
+        epoch = self._current_epoch()
+        if epoch != self._seen[0]:  # look at the view once per epoch: calls stay cheap
+            hosts = list(self._current_hosts())
+            self._seen = (epoch, hosts, len(set(hosts)) <= 1)
+        _, hosts, one_host = self._seen
+        if one_host:
             return None
         if epoch != self._epoch:  # the first auto call of this view: it measures
             self._epoch, self.chosen = epoch, None
             self._model = asyncio.get_running_loop().create_future()
-            return AutoTicket(self, epoch, True, list(hosts))
-        return AutoTicket(self, epoch, False, list(hosts))
+            return AutoTicket(self, epoch, True, hosts)
+        return AutoTicket(self, epoch, False, hosts)
 
     async def _model_for(
         self, epoch: int, probes: bool, group: Group, hosts: Sequence[str]

@@ -53,7 +53,8 @@ class Communicator:
         self._runner = Runner(mesh, self._keeper, config, loop)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
         self._auto = AutoChooser(
-            lambda: (mesh.epoch, host_keys(mesh.view)),
+            lambda: mesh.epoch,
+            lambda: host_keys(mesh.view),
             default_chunk_bytes=config.chunk_bytes,
             max_chunk_bytes=config.max_frame_bytes,
         )
