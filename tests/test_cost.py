@@ -195,8 +195,8 @@ def test_fitting_takes_median_latency_and_the_slowest_links_bandwidth() -> None:
         samples, ["a", "b", "c"], 1e-9, default_chunk_bytes=4 * MiB, max_chunk_bytes=64 * MiB
     )
     assert m.alpha_s == pytest.approx(105e-6)
-    assert m.beta_s == pytest.approx((9e-3 - 105e-6) / (512 * KiB))
-    assert m.beta_all_s == pytest.approx((7e-3 - 105e-6) / (512 * KiB))
+    assert m.beta_s == pytest.approx(9e-3 / MiB)  # gaps between arrivals of 1 MiB messages
+    assert m.beta_all_s == pytest.approx(7e-3 / MiB)
     assert m.overhead_s == pytest.approx((500e-6 - 200e-6) / 15)  # median of the links
     assert (m.world_size, m.hosts, m.ranks_per_host) == (3, 3, 1)
 

@@ -29,7 +29,8 @@ class _Done:
 
 
 class DelayLinks:
-    """Queues between ranks; a message arrives latency + nbytes * per_byte after sending."""
+    """Queues between ranks. A link sends one message at a time, nbytes * per_byte_s
+    each, and a message arrives latency_s after it has been sent."""
 
     def __init__(self, size: int, latency_s: float, per_byte_s: float) -> None:
         self.size = size
@@ -37,14 +38,18 @@ class DelayLinks:
         self.queues: dict[tuple[int, int], asyncio.Queue[Any]] = {
             (a, b): asyncio.Queue() for a in range(size) for b in range(size)
         }
-        self.free_at: dict[tuple[int, int], float] = {}  # links stay FIFO
+        self.busy_until: dict[tuple[int, int], float] = {}
+        self.last_arrival: dict[tuple[int, int], float] = {}
 
     def deliver(self, src: int, dst: int, item: Any, nbytes: int) -> None:
         loop = asyncio.get_running_loop()
-        due = loop.time() + self.latency_s + nbytes * self.per_byte_s
-        at = max(due, self.free_at.get((src, dst), 0.0) + 1e-6)  # timers at one instant: any order
-        self.free_at[(src, dst)] = at
-        loop.call_at(at, self.queues[(src, dst)].put_nowait, item)
+        link = (src, dst)
+        sent = max(loop.time(), self.busy_until.get(link, 0.0)) + nbytes * self.per_byte_s
+        self.busy_until[link] = sent
+        # timers due at one instant may fire in any order: keep every link FIFO
+        at = max(sent + self.latency_s, self.last_arrival.get(link, 0.0) + 1e-6)
+        self.last_arrival[link] = at
+        loop.call_at(at, self.queues[link].put_nowait, item)
 
 
 class MemoryGroup:

@@ -13,15 +13,17 @@ ping at the same moment (odd P: rank 0 does both in phase 0; samples stay usable
 2. `_BURST` small messages back to back, answered once: time per extra message;
 
 then, with every link busy at once as in a ring step (this is what the ring sees, CPU
-contention included): every rank sends `_SHIFT_BYTES` to the right and times until the
-left neighbour's arrives, `_ROUNDS` times after a warm-up: seconds per byte (and the CPU
-time per message when the same bytes go in `_PIECES` messages); and the same
-with every rank sending `_SHIFT_BYTES` split among all the others (as mesh, naive and
-direct do): seconds per byte sent when flows share the links.
+contention included): every rank sends two messages of `_RATE_BYTES` to the right, and
+the gap between the arrivals of the left neighbour's two is the sustained seconds per
+byte (`_ROUNDS` times after a warm-up); the CPU time per extra message when `_CPU_BYTES`
+go in `_PIECES` messages rather than one; and the same gap with every rank sending to all
+the others at once (as mesh, naive and direct do): seconds per byte when flows share the
+links.
 Rank 0 also times a local reduction (numpy add) for the per-byte reduce cost.
 
-Cost: about 2(2 + _ROUNDS + _BURST) small messages per link and 2(_ROUNDS + 1) shifts of
-_SHIFT_BYTES per rank; at 1 Gbit about 40 ms in all, on loopback a few ms.
+Cost: about 2(2 + _ROUNDS + _BURST) small messages per link, and (_ROUNDS + 1) times
+4 x _RATE_BYTES + 2 x _CPU_BYTES sent per rank: about 150 ms at 1 Gbit, a few ms on a
+fast network.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from .group import Group, Receipt, wait_receipts
 __all__ = ["LinkSample", "measure_cost", "model_from_samples"]
 
 _SMALL_BYTES = 64
-_SHIFT_BYTES = 512 * 1024
+_RATE_BYTES = 1 << 20  # larger than a shaper's bucket (tbf: 4 ms of traffic at 1 Gbit)
+_CPU_BYTES = 512 * 1024
 _ROUNDS = 3
 _BURST = 16
 _PIECES = 8  # a shift in this many messages, for the CPU cost of a chunk
@@ -50,8 +53,8 @@ _REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
 
 # Steps of the probe's messages (chunk numbers count messages within a step).
 _PING, _PONG = 0, 1  # + 2 * phase
-_SYNC, _SHIFT, _SPREAD = 4, 5, 6
-_SAMPLE, _MODEL = 7, 8
+_SYNC, _SHIFT, _PIECE, _SPREAD = 4, 5, 6, 7
+_SAMPLE, _MODEL = 8, 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +63,8 @@ class LinkSample:
 
     small_rtt_s: float  # median round trip of a small message
     burst_s: float  # _BURST small messages sent back to back, until the answer
-    shift_s: float  # median time of a ring shift of _SHIFT_BYTES
-    spread_s: float  # median time to send _SHIFT_BYTES split among all others (and receive)
+    shift_s: float  # median gap between two _RATE_BYTES arrivals, all ranks sending right
+    spread_s: float  # the same with every rank sending to all others at once
     chunk_cpu_s: float  # median CPU time per extra message of a shift cut in _PIECES
 
     def to_fields(self) -> dict[str, float]:
@@ -104,8 +107,8 @@ def model_from_samples(
     per_message = statistics.median(
         max((s.burst_s - s.small_rtt_s) / (_BURST - 1), s.chunk_cpu_s) for s in samples
     )
-    beta = max(max(0.0, s.shift_s - alpha) / _SHIFT_BYTES for s in samples)
-    beta_all = max(max(0.0, s.spread_s - alpha) / _SHIFT_BYTES for s in samples)
+    beta = max(s.shift_s / _RATE_BYTES for s in samples)
+    beta_all = max(s.spread_s / _RATE_BYTES for s in samples)
     counts: dict[str, int] = {}
     for key in host_keys:
         counts[key] = counts.get(key, 0) + 1
@@ -194,57 +197,71 @@ async def _pong(group: Group, peer: int, phase: int, sent: list[Receipt]) -> Non
 
 
 async def _shift(group: Group, right: int, left: int, sent: list[Receipt]) -> tuple[float, float]:
-    """Every rank sends a large message right at once: (median time until the left's is
-    in, median CPU time per extra message when the same bytes go in _PIECES messages).
+    """Every rank sends to the right at once, as in a ring step. Returns (median time
+    between the arrivals of two back-to-back messages of _RATE_BYTES from the left, median
+    CPU time per extra message when _CPU_BYTES go in _PIECES messages instead of one).
 
-    CPU time (this process, ZeroMQ's I/O thread included) rather than wall time: on a
-    loaded machine it still says what a message costs, and it counts the large zero-copy
-    messages that chunking makes, which cost more than the small ones of the burst.
+    The gap between two arrivals is the link's sustained rate: a shaper's token bucket
+    (or a switch buffer) can speed up the first message, not the second. CPU time (this
+    process, ZeroMQ's I/O thread included) rather than wall time: on a loaded machine it
+    still says what a message costs, and it counts the large zero-copy messages chunking
+    makes, which cost more than the small ones of the burst.
     """
-    token = memoryview(b"")
-    big = memoryview(bytearray(_SHIFT_BYTES))
-    times, extra_cpu = [], []
+    rate = memoryview(bytearray(2 * _RATE_BYTES))
+    gaps, extra_cpu = [], []
     for i in range(_ROUNDS + 1):
+        await _sync(group, right, left, 3 * i, sent)
+        for j in range(2):
+            piece = rate[j * _RATE_BYTES : (j + 1) * _RATE_BYTES]
+            sent.append(await group.send(right, _SHIFT, 2 * i + j, piece))
+        await group.recv(left, _SHIFT, 2 * i, nbytes=_RATE_BYTES)
+        first = time.perf_counter()
+        await group.recv(left, _SHIFT, 2 * i + 1, nbytes=_RATE_BYTES)
+        gaps.append(time.perf_counter() - first)
+        await wait_receipts(sent)  # buffers are reused: ZeroMQ must be done with them
         cpu = []
-        for parts in (1, _PIECES):
-            chunk0 = i * (1 + _PIECES) + (0 if parts == 1 else 1)
-            sent.append(await group.send(right, _SYNC, 2 * i + (parts > 1), token))
-            await group.recv(left, _SYNC, 2 * i + (parts > 1), nbytes=0)
-            start, start_cpu = time.perf_counter(), time.process_time()
-            size = _SHIFT_BYTES // parts
+        for variant, parts in enumerate((1, _PIECES)):
+            await _sync(group, right, left, 3 * i + 1 + variant, sent)
+            start_cpu, size = time.process_time(), _CPU_BYTES // parts
             for j in range(parts):
-                sent.append(
-                    await group.send(right, _SHIFT, chunk0 + j, big[j * size : (j + 1) * size])
-                )
+                piece = rate[j * size : (j + 1) * size]
+                sent.append(await group.send(right, _PIECE, i * (1 + _PIECES) + variant + j, piece))
             for j in range(parts):
-                await group.recv(left, _SHIFT, chunk0 + j, nbytes=size)
-            if parts == 1:
-                times.append(time.perf_counter() - start)
-            await wait_receipts(sent)  # `big` is reused: ZeroMQ must be done with it
+                await group.recv(left, _PIECE, i * (1 + _PIECES) + variant + j, nbytes=size)
+            await wait_receipts(sent)
             cpu.append(time.process_time() - start_cpu)
         extra_cpu.append(max(0.0, cpu[1] - cpu[0]) / (_PIECES - 1))
-    return statistics.median(times[1:]), statistics.median(extra_cpu[1:])
+    return statistics.median(gaps[1:]), statistics.median(extra_cpu[1:])
+
+
+async def _sync(group: Group, right: int, left: int, n: int, sent: list[Receipt]) -> None:
+    """A token around the ring, so that ranks start the next measurement about together."""
+    sent.append(await group.send(right, _SYNC, n))
+    await group.recv(left, _SYNC, n, nbytes=0)
 
 
 async def _spread(group: Group, sent: list[Receipt]) -> float:
-    """Every rank sends _SHIFT_BYTES split among all others at once; median time until all
-    of its own parts are in (after a ring token, so that ranks start about together)."""
+    """Every rank sends two batches of _RATE_BYTES, each split among all the others, at
+    once; median time between the arrival of its first batch and of its second."""
     size, rank = group.size, group.rank
-    part = _SHIFT_BYTES // (size - 1)
+    part = _RATE_BYTES // (size - 1)
     big = memoryview(bytearray(part))
     peers = [(rank + d) % size for d in range(1, size)]
-    times = []
+    right, left = (rank + 1) % size, (rank - 1) % size
+    gaps = []
     for i in range(_ROUNDS + 1):
-        sent.append(await group.send((rank + 1) % size, _SYNC, 2 * (_ROUNDS + 1) + i))
-        await group.recv((rank - 1) % size, _SYNC, 2 * (_ROUNDS + 1) + i, nbytes=0)
-        start = time.perf_counter()
-        for peer in peers:
-            sent.append(await group.send(peer, _SPREAD, i, big))
+        await _sync(group, right, left, 3 * (_ROUNDS + 1) + i, sent)
+        for batch in range(2):
+            for peer in peers:
+                sent.append(await group.send(peer, _SPREAD, 2 * i + batch, big))
         for peer in reversed(peers):
-            await group.recv(peer, _SPREAD, i, nbytes=part)
-        times.append(time.perf_counter() - start)
+            await group.recv(peer, _SPREAD, 2 * i, nbytes=part)
+        first = time.perf_counter()
+        for peer in reversed(peers):
+            await group.recv(peer, _SPREAD, 2 * i + 1, nbytes=part)
+        gaps.append(time.perf_counter() - first)
         await wait_receipts(sent)
-    return statistics.median(times[1:])
+    return statistics.median(gaps[1:])
 
 
 def _reduce_time() -> float:
