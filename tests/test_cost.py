@@ -188,7 +188,7 @@ def sample(
 def test_fitting_takes_median_latency_and_the_slowest_links_bandwidth() -> None:
     samples = [
         sample(200e-6, 500e-6, 5e-3, 6e-3),
-        sample(210e-6, 500e-6, 9e-3, 7e-3),
+        sample(210e-6, 500e-6, 9e-3, 10e-3),
         sample(1e-3, 2e-3, 5e-3, 5e-3),
     ]
     m = model_from_samples(
@@ -196,7 +196,7 @@ def test_fitting_takes_median_latency_and_the_slowest_links_bandwidth() -> None:
     )
     assert m.alpha_s == pytest.approx(105e-6)
     assert m.beta_s == pytest.approx(9e-3 / MiB)  # gaps between arrivals of 1 MiB messages
-    assert m.beta_all_s == pytest.approx(7e-3 / MiB)
+    assert m.beta_all_s == pytest.approx(10e-3 / MiB)
     assert m.overhead_s == pytest.approx((500e-6 - 200e-6) / 15)  # median of the links
     assert (m.world_size, m.hosts, m.ranks_per_host) == (3, 3, 1)
 
@@ -205,6 +205,14 @@ def test_the_cpu_cost_of_large_messages_counts_when_it_exceeds_the_small_ones() 
     samples = [sample(100e-6, 100e-6 + 15 * 20e-6, 1e-3, chunk_cpu=150e-6)] * 2
     m = model_from_samples(samples, ["a", "b"], 1e-9, default_chunk_bytes=MiB, max_chunk_bytes=MiB)
     assert m.overhead_s == pytest.approx(150e-6)
+
+
+def test_sending_to_all_is_never_fitted_cheaper_per_byte_than_to_one_neighbour() -> None:
+    samples = [sample(1e-4, 2e-4, 8e-3, 5e-3)] * 3
+    m = model_from_samples(
+        samples, ["a", "b", "c"], 1e-9, default_chunk_bytes=MiB, max_chunk_bytes=MiB
+    )
+    assert m.beta_all_s == m.beta_s
 
 
 def test_fitting_counts_ranks_that_share_a_host() -> None:
