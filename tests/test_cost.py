@@ -180,52 +180,59 @@ def test_a_model_describes_itself_in_readable_units() -> None:
 
 
 def sample(
-    rtt: float, burst: float, shift: float, spread: float | None = None, chunk_cpu: float = 0.0
+    rtt: float,
+    burst: float,
+    shift: float,
+    *,
+    chunk_cpu: float = 0.0,
+    ring: float = 0.0,
+    mesh: float = 0.0,
 ) -> LinkSample:
-    return LinkSample(rtt, burst, shift, shift if spread is None else spread, chunk_cpu)
+    return LinkSample(rtt, burst, shift, chunk_cpu, ring, mesh)
 
 
-def test_fitting_takes_median_latency_and_the_slowest_links_bandwidth() -> None:
-    samples = [
-        sample(200e-6, 500e-6, 5e-3, 6e-3),
-        sample(210e-6, 500e-6, 9e-3, 10e-3),
-        sample(1e-3, 2e-3, 5e-3, 5e-3),
-    ]
-    m = model_from_samples(
-        samples, ["a", "b", "c"], 1e-9, default_chunk_bytes=4 * MiB, max_chunk_bytes=64 * MiB
-    )
+def fit(samples: list[LinkSample], hosts: int | list[str] = 3) -> CostModel:
+    keys = hosts if isinstance(hosts, list) else [f"h{i}" for i in range(hosts)]
+    return model_from_samples(samples, keys, 1e-9, default_chunk_bytes=MiB, max_chunk_bytes=MiB)
+
+
+def test_fitting_takes_median_latency_and_the_slowest_links_sustained_rate() -> None:
+    m = fit([sample(200e-6, 500e-6, 5e-3), sample(210e-6, 500e-6, 9e-3), sample(1e-3, 2e-3, 5e-3)])
     assert m.alpha_s == pytest.approx(105e-6)
     assert m.beta_s == pytest.approx(9e-3 / MiB)  # gaps between arrivals of 1 MiB messages
-    assert m.beta_all_s == pytest.approx(10e-3 / MiB)
     assert m.overhead_s == pytest.approx((500e-6 - 200e-6) / 15)  # median of the links
-    assert (m.world_size, m.hosts, m.ranks_per_host) == (3, 3, 1)
+
+
+def test_a_ring_slower_than_the_links_rate_sets_the_per_byte_time() -> None:
+    rtt = 200e-6  # alpha 100 us
+    ring = 4 * 100e-6 + 4 / 3 * MiB * 20e-9  # P=3: 2(P-1) hops and 2(P-1)/P MiB at 20 ns
+    m = fit([sample(rtt, rtt, 8e-3, ring=ring, mesh=ring)] * 3)
+    assert m.beta_s == pytest.approx(20e-9)
+
+
+def test_a_mesh_slower_than_the_ring_makes_flows_to_all_dearer_per_byte() -> None:
+    rtt = 200e-6
+    volume = 4 / 3 * MiB
+    ring = 4 * 100e-6 + volume * 10e-9
+    mesh = 2 * 100e-6 + volume * 15e-9
+    m = fit([sample(rtt, rtt, 10e-9 * MiB, ring=ring, mesh=mesh)] * 3)
+    assert m.beta_s == pytest.approx(10e-9)
+    assert m.beta_all_s == pytest.approx(15e-9)
 
 
 def test_the_cpu_cost_of_large_messages_counts_when_it_exceeds_the_small_ones() -> None:
-    samples = [sample(100e-6, 100e-6 + 15 * 20e-6, 1e-3, chunk_cpu=150e-6)] * 2
-    m = model_from_samples(samples, ["a", "b"], 1e-9, default_chunk_bytes=MiB, max_chunk_bytes=MiB)
+    m = fit([sample(100e-6, 100e-6 + 15 * 20e-6, 1e-3, chunk_cpu=150e-6)] * 2, 2)
     assert m.overhead_s == pytest.approx(150e-6)
 
 
-def test_sending_to_all_is_never_fitted_cheaper_per_byte_than_to_one_neighbour() -> None:
-    samples = [sample(1e-4, 2e-4, 8e-3, 5e-3)] * 3
-    m = model_from_samples(
-        samples, ["a", "b", "c"], 1e-9, default_chunk_bytes=MiB, max_chunk_bytes=MiB
-    )
-    assert m.beta_all_s == m.beta_s
-
-
 def test_fitting_counts_ranks_that_share_a_host() -> None:
-    samples = [sample(1e-4, 2e-4, 1e-3)] * 5
-    m = model_from_samples(
-        samples, ["x", "x", "y", "x", "y"], 1e-9, default_chunk_bytes=MiB, max_chunk_bytes=MiB
-    )
+    m = fit([sample(1e-4, 2e-4, 1e-3)] * 5, ["x", "x", "y", "x", "y"])
     assert (m.world_size, m.hosts, m.ranks_per_host) == (5, 2, 3)
 
 
 def test_a_malformed_link_sample_from_a_peer_is_a_protocol_error() -> None:
-    good = sample(1e-4, 2e-4, 1e-3).to_fields()
-    assert LinkSample.from_fields(good) == sample(1e-4, 2e-4, 1e-3)
+    good = sample(1e-4, 2e-4, 1e-3, ring=1e-2, mesh=2e-2).to_fields()
+    assert LinkSample.from_fields(good) == sample(1e-4, 2e-4, 1e-3, ring=1e-2, mesh=2e-2)
     for bad in ({**good, "rtt": -1.0}, {**good, "shift": 1}, {"rtt": 1.0}, [1.0, 2.0, 3.0]):
         with pytest.raises(ProtocolError):
             LinkSample.from_fields(bad)

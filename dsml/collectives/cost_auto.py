@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from .cost import Choice, CostModel
-from .cost_probe import measure_cost
-from .group import Group, Lane, Receipt, Received
+from .cost_probe import WithChunk, measure_cost
+from .group import Group
 from .select import choose_all_reduce
 
 __all__ = ["AutoChooser", "AutoTicket", "WithChunk"]
@@ -30,45 +29,6 @@ __all__ = ["AutoChooser", "AutoTicket", "WithChunk"]
 #: The current view's epoch, and the host key of each of its ranks.
 Epoch = Callable[[], int]
 Hosts = Callable[[], Sequence[str]]
-
-
-class WithChunk:
-    """`group` as a `Group` whose pipeline chunk is `chunk_bytes` (the model's choice)."""
-
-    def __init__(self, group: Group, chunk_bytes: int) -> None:
-        self._group = group
-        self.chunk_bytes = chunk_bytes
-
-    @property
-    def rank(self) -> int:
-        return self._group.rank
-
-    @property
-    def size(self) -> int:
-        return self._group.size
-
-    async def send(
-        self,
-        peer: int,
-        step: int,
-        chunk: int = 0,
-        payload: memoryview | None = None,
-        *,
-        meta: dict[str, Any] | None = None,
-        lane: Lane = Lane.DATA,
-    ) -> Receipt:
-        return await self._group.send(peer, step, chunk, payload, meta=meta, lane=lane)
-
-    async def recv(
-        self,
-        peer: int,
-        step: int,
-        chunk: int = 0,
-        *,
-        nbytes: int | None = None,
-        lane: Lane = Lane.DATA,
-    ) -> Received:
-        return await self._group.recv(peer, step, chunk, nbytes=nbytes, lane=lane)
 
 
 class AutoTicket:

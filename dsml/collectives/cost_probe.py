@@ -16,14 +16,17 @@ then, with every link busy at once as in a ring step (this is what the ring sees
 contention included): every rank sends two messages of `_RATE_BYTES` to the right, and
 the gap between the arrivals of the left neighbour's two is the sustained seconds per
 byte (`_ROUNDS` times after a warm-up); the CPU time per extra message when `_CPU_BYTES`
-go in `_PIECES` messages rather than one; and the same gap with every rank sending to all
-the others at once (as mesh, naive and direct do): seconds per byte when flows share the
-links.
+go in `_PIECES` messages rather than one. Then the ring and the mesh race on a
+`_RACE_BYTES` all-reduce: the ring's time bounds the per-byte time from below (if the ring
+got less than the link's rate, that is what the ring will get), and the mesh's time next
+to the ring's says what flows to every peer at once cost per byte (mesh, naive, direct).
+The raced algorithms' messages follow the probe's own on every link, in order, so they
+cannot be confused with them.
 Rank 0 also times a local reduction (numpy add) for the per-byte reduce cost.
 
 Cost: about 2(2 + _ROUNDS + _BURST) small messages per link, and (_ROUNDS + 1) times
-4 x _RATE_BYTES + 2 x _CPU_BYTES sent per rank: about 150 ms at 1 Gbit, a few ms on a
-fast network.
+2 x _RATE_BYTES + 2 x _CPU_BYTES + 3 x _RACE_BYTES sent per rank: about 150 ms at 1 Gbit,
+a few ms on a fast network.
 """
 
 from __future__ import annotations
@@ -38,14 +41,19 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
+from .all_reduce_mesh import all_reduce_mesh
+from .all_reduce_ring import all_reduce_ring
+from .arrays import NUMPY
 from .cost import CostModel
-from .group import Group, Receipt, wait_receipts
+from .group import Group, Lane, Receipt, Received, wait_receipts
+from .ops import ReduceOp
 
-__all__ = ["LinkSample", "measure_cost", "model_from_samples"]
+__all__ = ["LinkSample", "WithChunk", "measure_cost", "model_from_samples"]
 
 _SMALL_BYTES = 64
 _RATE_BYTES = 1 << 20  # larger than a shaper's bucket (tbf: 4 ms of traffic at 1 Gbit)
 _CPU_BYTES = 512 * 1024
+_RACE_BYTES = 1 << 20
 _ROUNDS = 3
 _BURST = 16
 _PIECES = 8  # a shift in this many messages, for the CPU cost of a chunk
@@ -53,8 +61,47 @@ _REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
 
 # Steps of the probe's messages (chunk numbers count messages within a step).
 _PING, _PONG = 0, 1  # + 2 * phase
-_SYNC, _SHIFT, _PIECE, _SPREAD = 4, 5, 6, 7
-_SAMPLE, _MODEL = 8, 9
+_SYNC, _SHIFT, _PIECE = 4, 5, 6
+_SAMPLE, _MODEL = 7, 8  # (the raced algorithms number their own steps from 0)
+
+
+class WithChunk:
+    """`group` as a `Group` whose pipeline chunk is `chunk_bytes` (the model's choice)."""
+
+    def __init__(self, group: Group, chunk_bytes: int) -> None:
+        self._group = group
+        self.chunk_bytes = chunk_bytes
+
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    @property
+    def size(self) -> int:
+        return self._group.size
+
+    async def send(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        payload: memoryview | None = None,
+        *,
+        meta: dict[str, Any] | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Receipt:
+        return await self._group.send(peer, step, chunk, payload, meta=meta, lane=lane)
+
+    async def recv(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        *,
+        nbytes: int | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Received:
+        return await self._group.recv(peer, step, chunk, nbytes=nbytes, lane=lane)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,22 +111,24 @@ class LinkSample:
     small_rtt_s: float  # median round trip of a small message
     burst_s: float  # _BURST small messages sent back to back, until the answer
     shift_s: float  # median gap between two _RATE_BYTES arrivals, all ranks sending right
-    spread_s: float  # the same with every rank sending to all others at once
     chunk_cpu_s: float  # median CPU time per extra message of a shift cut in _PIECES
+    ring_s: float  # median time of a _RACE_BYTES ring all-reduce
+    mesh_s: float  # median time of a _RACE_BYTES mesh all-reduce
 
     def to_fields(self) -> dict[str, float]:
         return {
             "rtt": self.small_rtt_s,
             "burst": self.burst_s,
             "shift": self.shift_s,
-            "spread": self.spread_s,
             "chunk_cpu": self.chunk_cpu_s,
+            "ring": self.ring_s,
+            "mesh": self.mesh_s,
         }
 
     @classmethod
     def from_fields(cls, fields: Any) -> LinkSample:
         """A peer's sample (checked: it arrives over the network)."""
-        keys = ("rtt", "burst", "shift", "spread", "chunk_cpu")
+        keys = ("rtt", "burst", "shift", "chunk_cpu", "ring", "mesh")
         if not isinstance(fields, dict) or set(fields) != set(keys):
             raise ProtocolError(f"not a link sample: {fields!r:.200}")
         values = [fields[k] for k in keys]
@@ -107,9 +156,18 @@ def model_from_samples(
     per_message = statistics.median(
         max((s.burst_s - s.small_rtt_s) / (_BURST - 1), s.chunk_cpu_s) for s in samples
     )
-    beta = max(s.shift_s / _RATE_BYTES for s in samples)
-    # Flows to every peer share the same links: never cheaper per byte than one flow.
-    beta_all = max(beta, max(s.spread_s / _RATE_BYTES for s in samples))
+    p = len(host_keys)
+    volume = 2 * (p - 1) / p * _RACE_BYTES  # bytes each rank sends in a ring or mesh
+    ring = max(s.ring_s for s in samples)  # a call lasts as long as its slowest rank
+    mesh = max(s.mesh_s for s in samples)
+    ring_bw = max(0.0, ring - 2 * (p - 1) * alpha)  # their bandwidth parts
+    mesh_bw = max(0.0, mesh - 2 * alpha)
+    # The sustained rate of a link, or what the ring really got if that is slower.
+    beta = max(max(s.shift_s / _RATE_BYTES for s in samples), ring_bw / volume if p > 1 else 0)
+    # Flows to every peer at once: as much dearer (or cheaper) per byte than the ring's
+    # one flow as the mesh was, within reason.
+    ratio = mesh_bw / ring_bw if ring_bw > 0 else 1.0
+    beta_all = beta * min(4.0, max(0.5, ratio))
     counts: dict[str, int] = {}
     for key in host_keys:
         counts[key] = counts.get(key, 0) + 1
@@ -138,7 +196,7 @@ async def measure_cost(
     assert len(host_keys) == size
     fit = {"default_chunk_bytes": default_chunk_bytes, "max_chunk_bytes": max_chunk_bytes}
     if size == 1:
-        return model_from_samples([LinkSample(0.0, 0.0, 0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
+        return model_from_samples([LinkSample(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
     sent: list[Receipt] = []
     right, left = (rank + 1) % size, (rank - 1) % size
     rtt = burst = 0.0
@@ -152,7 +210,8 @@ async def measure_cost(
         elif left % 2 == phase:
             await _pong(group, left, phase, sent)
     shift, chunk_cpu = await _shift(group, right, left, sent)
-    mine = LinkSample(rtt, burst, shift, await _spread(group, sent), chunk_cpu)
+    ring, mesh = await _race(group, sent)
+    mine = LinkSample(rtt, burst, shift, chunk_cpu, ring, mesh)
     if rank != 0:
         sent.append(await group.send(0, _SAMPLE, meta=mine.to_fields()))
         msg = await group.recv(0, _MODEL, nbytes=0)
@@ -245,30 +304,25 @@ async def _sync(group: Group, right: int, left: int, n: int, sent: list[Receipt]
     await group.recv(left, _SYNC, n, nbytes=0)
 
 
-async def _spread(group: Group, sent: list[Receipt]) -> float:
-    """Every rank sends two batches of _RATE_BYTES, each split among all the others, at
-    once; median time between the arrival of its first batch and of its second."""
-    size, rank = group.size, group.rank
-    part = _RATE_BYTES // (size - 1)
-    big = memoryview(bytearray(part))
-    peers = [(rank + d) % size for d in range(1, size)]
-    right, left = (rank + 1) % size, (rank - 1) % size
-    gaps = []
-    for i in range(_ROUNDS + 1):
-        await _sync(group, right, left, 3 * (_ROUNDS + 1) + i, sent)
-        for batch in range(2):
-            for peer in peers:
-                sent.append(await group.send(peer, _SPREAD, 2 * i + batch, big))
-        start = time.perf_counter()
-        for peer in reversed(peers):
-            await group.recv(peer, _SPREAD, 2 * i, nbytes=part)
-        first = time.perf_counter()
-        for peer in reversed(peers):
-            await group.recv(peer, _SPREAD, 2 * i + 1, nbytes=part)
-        end = time.perf_counter()
-        gaps.append(max(end - first, (end - start) / 2))
-        await wait_receipts(sent)
-    return statistics.median(gaps[1:])
+async def _race(group: Group, sent: list[Receipt]) -> tuple[float, float]:
+    """Time the ring and the mesh on one _RACE_BYTES all-reduce each, as the algorithms
+    really run (median of _ROUNDS after a warm-up): what flows to every peer at once cost
+    next to one flow to a neighbour, which no formula knows on a given network."""
+    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    src = np.ones(_RACE_BYTES // 4, dtype=np.float32)
+    work, dst = np.empty_like(src), np.empty_like(src)
+    whole = WithChunk(group, _RACE_BYTES)  # one chunk per segment, whatever the config
+    medians = []
+    for a, algorithm in enumerate((all_reduce_ring, all_reduce_mesh)):
+        times = []
+        for i in range(_ROUNDS + 1):
+            await _sync(group, right, left, 3 * (_ROUNDS + 1) + a * (_ROUNDS + 1) + i, sent)
+            start = time.perf_counter()
+            pending = await algorithm(whole, NUMPY, src, work, dst, ReduceOp.SUM)
+            times.append(time.perf_counter() - start)
+            await wait_receipts(pending)
+        medians.append(statistics.median(times[1:]))
+    return medians[0], medians[1]
 
 
 def _reduce_time() -> float:
