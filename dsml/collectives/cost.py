@@ -6,9 +6,11 @@ communicator asks it which algorithm and chunk size `auto` stands for at a given
 The model has six numbers, in the style of Thakur, Rabenseifner and Gropp (2005):
 
 - `alpha_s`: one-way latency of a small message (half a ping-pong's round trip);
-- `beta_s`: seconds per byte when every rank sends to its ring neighbour at once;
+- `beta_s`: seconds per byte when every rank sends to its ring neighbour at once (the
+  sustained rate, or what a real ring got if that was slower);
 - `beta_all_s`: seconds per byte a rank sends when every rank sends to all the others at
-  once (several flows share each link: on shaped TCP links this costs more than beta);
+  once (several flows share each link: on shaped TCP links this costs more than beta;
+  where the CPU is the limit, fewer hops can make it cost less);
 - `overhead_s`: CPU time one rank spends per extra message (back-to-back sends);
 - `gamma_s`: seconds per byte to reduce one array into another on this machine;
 - `ranks_per_host`: the most ranks that share one host (and so one network card).
