@@ -131,3 +131,26 @@ async def test_a_new_view_is_measured_again(hosts3: list[dsml.Communicator]) -> 
             assert c.cost_model is not None
             assert (c.cost_model.world_size, c.cost_model.hosts) == (4, 4)
         await asyncio.gather(*(c.barrier() for c in comms))
+
+
+async def test_frames_capped_below_the_probes_messages_keep_the_size_table() -> None:
+    async with dsml.open_registry("tcp://127.0.0.1:0") as registry:
+        small = {"chunk_bytes": 64 * KiB, "max_frame_bytes": 256 * KiB}
+        joins = [
+            dsml.init(
+                registry.address,
+                world_size=2,
+                rank=r,
+                config=CommConfig(bind=f"tcp://127.0.0.{r + 1}:0", **small),  # type: ignore[arg-type]
+            )
+            for r in range(2)
+        ]
+        comms = list(await asyncio.gather(*joins))
+        try:
+            xs = [ramp(c.rank, 100_000) for c in comms]
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+            for c, x in zip(comms, xs, strict=True):
+                np.testing.assert_array_equal(x, expected(2, 100_000))
+                assert c.cost_model is None
+        finally:
+            await asyncio.gather(*(c.aclose() for c in comms))

@@ -11,7 +11,8 @@ the same on every rank), never by timing. If the probe fails (its call failed), 
 falls back to the size table of select.py, on every rank alike.
 
 A group on a single host does not probe: the model would keep that host's size table
-anyway (see cost.py), so such groups pay nothing.
+anyway (see cost.py), so such groups pay nothing. Nor does a communicator whose frames
+are capped below the probe's largest message (`CommConfig.max_frame_bytes`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from .cost import Choice, CostModel
-from .cost_probe import WithChunk, measure_cost
+from .cost_probe import PROBE_FRAME_BYTES, WithChunk, measure_cost
 from .group import Group
 from .select import choose_all_reduce
 
@@ -91,8 +92,8 @@ class AutoChooser:
             hosts = list(self._current_hosts())
             self._seen = (epoch, hosts, len(set(hosts)) <= 1)
         _, hosts, one_host = self._seen
-        if one_host:
-            return None
+        if one_host or self._chunks["max_chunk_bytes"] < PROBE_FRAME_BYTES:
+            return None  # the size table decides (frames this small cannot carry the probe)
         if epoch != self._epoch:  # the first auto call of this view: it measures
             self._epoch, self.chosen = epoch, None
             self._model = asyncio.get_running_loop().create_future()

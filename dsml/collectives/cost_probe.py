@@ -48,12 +48,14 @@ from .cost import CostModel
 from .group import Group, Lane, Receipt, Received, wait_receipts
 from .ops import ReduceOp
 
-__all__ = ["LinkSample", "WithChunk", "measure_cost", "model_from_samples"]
+__all__ = ["PROBE_FRAME_BYTES", "LinkSample", "WithChunk", "measure_cost", "model_from_samples"]
 
 _SMALL_BYTES = 64
 _RATE_BYTES = 1 << 20  # larger than a shaper's bucket (tbf: 4 ms of traffic at 1 Gbit)
 _CPU_BYTES = 512 * 1024
 _RACE_BYTES = 1 << 20
+#: The largest message the probe sends (frames must be allowed to be this large).
+PROBE_FRAME_BYTES = max(_RATE_BYTES, _CPU_BYTES, _RACE_BYTES)
 _ROUNDS = 3
 _BURST = 16
 _PIECES = 8  # a shift in this many messages, for the CPU cost of a chunk
