@@ -21,6 +21,13 @@ cleaning up, by the next run). It needs root, `ip` and `tc` (iproute2), and `nse
         procs = [h.popen(["python", "worker.py", h.address]) for h in hosts]
         hosts.set_rate("1gbit")                   # every link; or hosts[2].set_rate(...)
         print(hosts[0].run(["ip", "addr"]).stdout)
+        print(measure_rate(hosts[0], hosts[1]) / 1e9, "Gbit/s")
+
+From a benchmark (benchmarks/*.py, run as root from the repository root with dsml
+importable: installed, or `PYTHONPATH=$PWD`), import it the same way; `unavailable_reason()`
+tells a script what to say instead of running. Tests use the fixture in
+tests/harness/netns.py (`hosts`, in tests/multihost). `python -m dsml.testing.netns
+1gbit 10gbit none` measures what one TCP stream gets through each kind of link.
 
 Commands run through `nsenter --net` plus a private UTS and mount namespace (for the host
 name and `/etc/hosts`), not `ip netns exec`, which also remounts `/sys`. Nothing in dsml
@@ -37,13 +44,15 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["Host", "NetnsError", "NetnsHosts", "leftover_namespaces", "netns_hosts"]
-__all__ += ["unavailable_reason"]
+__all__ += ["measure_rate", "tbf_args", "unavailable_reason"]
 
 SUBNET = "10.217.44"  # a private /24, configured only inside the namespaces made here
 _PREFIX = "dsmlnet"
@@ -241,6 +250,11 @@ class NetnsHosts(Sequence[Host]):
         return iter(self._hosts)
 
     @property
+    def namespaces(self) -> list[str]:
+        """The names of this instance's namespaces (bridge first), whether they exist or not."""
+        return [self.bridge_netns, *(h.netns for h in self._hosts)]
+
+    @property
     def addresses(self) -> list[str]:
         """Every host's IPv4 address, in host order."""
         return [h.address for h in self._hosts]
@@ -291,12 +305,18 @@ class NetnsHosts(Sequence[Host]):
         self.rate = rate
 
     def close(self) -> None:
-        """Kill what ran on the hosts (by process group), delete the namespaces; idempotent."""
+        """Kill what ran on the hosts, delete the namespaces; idempotent.
+
+        First each command's process group, then, by PID, anything left inside the
+        namespaces (processes that left their group, as daemons do).
+        """
         if self._closed:
             return
         self._closed = True
         for proc in self._procs:
             _kill_group(proc)
+        for name in self._made:
+            _kill_inside(name)
         errors = []
         for name in reversed(self._made):
             try:
@@ -312,6 +332,62 @@ class NetnsHosts(Sequence[Host]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SINK = """
+import socket, sys, time
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+conn, _ = server.accept()
+buf, total, start = bytearray(1 << 20), 0, None
+while n := conn.recv_into(buf):
+    start = start or time.perf_counter()
+    total += n
+print(total, time.perf_counter() - (start or time.perf_counter()), flush=True)
+"""
+_SOURCE = """
+import socket, sys
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+chunk = bytes(1 << 20)
+for _ in range(int(sys.argv[3]) >> 20):
+    conn.sendall(chunk)
+conn.close()
+"""
+
+
+def measure_rate(src: Host, dst: Host, n_bytes: int = 256 << 20, port: int = 5201) -> float:
+    """Bits per second one TCP stream carries from `src` to `dst` (an iperf-like probe).
+
+    Timed at the receiver from its first byte to the end of the stream, so connection
+    set-up is left out; `n_bytes` is rounded down to whole MiB. Runs `sys.executable`.
+    """
+    python = sys.executable
+    sink = dst.popen([python, "-c", _SINK, str(port)], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None
+    if sink.stdout.readline().strip() != "ready":
+        raise NetnsError(f"the receiver on {dst.name} did not start")
+    src.run([python, "-c", _SOURCE, dst.address, str(port), str(n_bytes)], timeout=300.0)
+    total, seconds = sink.stdout.readline().split()
+    sink.wait(timeout=10.0)
+    return int(total) * 8 / float(seconds)
+
+
+def _kill_inside(netns: str) -> None:
+    """SIGKILL every process still in `netns` (by PID), such as daemons' detached helpers.
+
+    Only processes started through this harness can be inside its namespaces.
+    """
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in _sh("ip", "netns", "pids", netns).split()]
+        except NetnsError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _kill_group(proc: subprocess.Popen[Any]) -> None:
@@ -330,3 +406,29 @@ def netns_hosts(
     hosts = NetnsHosts(n_hosts, rate=rate, names=names)
     with hosts:
         yield hosts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m dsml.testing.netns [RATE ...]`: measure each shaped link (as root)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("rates", nargs="*", default=["1gbit", "10gbit", "none"])
+    parser.add_argument("--mib", type=int, default=512, help="MiB sent per measure")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"cannot build namespaced hosts: {reason}", file=sys.stderr)
+        return 2
+    for rate in args.rates:
+        shaped = None if rate == "none" else rate
+        with netns_hosts(2, rate=shaped) as hosts:
+            rates = [measure_rate(hosts[0], hosts[1], args.mib << 20) for _ in range(args.repeat)]
+        figures = " ".join(f"{r / 1e9:.3f}" for r in rates)
+        print(f"{rate:>8}: {figures} Gbit/s (one TCP stream h0 -> h1, {args.mib} MiB each)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

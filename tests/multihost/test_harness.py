@@ -9,10 +9,17 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from dsml.testing.netns import NetnsHosts, leftover_namespaces, netns_hosts, tbf_args
+from dsml.testing.netns import (
+    NetnsHosts,
+    leftover_namespaces,
+    measure_rate,
+    netns_hosts,
+    tbf_args,
+)
 from tests.harness.netns import PYTHON, Procs, child_env, open_hosts
 
 pytestmark = pytest.mark.multiprocess
@@ -47,6 +54,13 @@ def test_each_host_has_its_name_address_and_a_tbf_shaped_link_both_ways(hosts: N
     assert "rate 1Gbit" in hosts[1].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
 
 
+def test_a_1gbit_link_carries_no_more_than_1gbit_per_second(hosts: NetnsHosts):
+    # An upper bound only: a loaded machine can make the stream slower, never faster.
+    rate = measure_rate(hosts[0], hosts[1], n_bytes=32 << 20)
+    print(f"h0 -> h1 at 1gbit: {rate / 1e9:.3f} Gbit/s")
+    assert 0 < rate < 1.1e9
+
+
 def test_hosts_reach_each_other_by_name_over_the_bridge(hosts: NetnsHosts):
     server = hosts[3].popen([PYTHON, "-c", SERVE], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
@@ -67,16 +81,32 @@ def test_a_host_cannot_reach_the_machines_loopback(hosts: NetnsHosts):
     assert "ConnectionRefusedError" in refused.stderr
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` is alive (a zombie waiting for init to reap it is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def test_closing_removes_every_namespace_and_kills_what_ran_there():
     hosts = open_hosts(2, rate="10gbit")
     try:
         sleeper = hosts[0].popen(["sleep", "60"])
-        made = leftover_namespaces(os.getpid())
+        # A process that left the command's session, as a daemon's helpers do:
+        escaper = hosts[1].run(
+            ["sh", "-c", "setsid sleep 60 >/dev/null 2>&1 & echo $!"], timeout=10
+        )
+        escaped = int(escaper.stdout)
+        made = hosts.namespaces
+        assert set(made) <= set(leftover_namespaces(os.getpid()))
         assert len(made) == 3, made  # two hosts and the bridge
     finally:
         hosts.close()
     assert sleeper.wait(5) == -9
-    assert leftover_namespaces(os.getpid()) == []
+    assert not running(escaped)
+    assert not set(made) & set(leftover_namespaces(os.getpid()))
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in made)
 
@@ -86,7 +116,7 @@ def test_a_failed_build_removes_what_it_had_made():
     hosts._hosts[1] = hosts._hosts[0]  # the same namespace twice: the second add fails
     with pytest.raises(Exception, match="ip netns add"):
         hosts.open()
-    assert leftover_namespaces(os.getpid()) == []
+    assert not set(hosts.namespaces) & set(leftover_namespaces(os.getpid()))
 
 
 def test_a_bad_rate_is_refused_before_anything_is_built():
