@@ -15,6 +15,7 @@ same order on every rank when some of them go through the engine:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -82,7 +83,8 @@ class EngineLink:
                 started.append(op.blocked)
                 return
             try:
-                started.append(self._start(request))
+                # The data as it is now: an earlier op of the engine may have set it.
+                started.append(self._start(dataclasses.replace(request, x=tagged.data)))
             except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 started.append(exc)
 
