@@ -304,7 +304,8 @@ async def test_a_pushed_all_reduce_reduces_the_array_an_earlier_op_put_in_its_ta
             engine = comm.engine
             g = engine.tag("g", None)  # no array yet: the op pushed first makes it
 
-            def produce():
+            async def produce():
+                await asyncio.sleep(0.05)  # surely after push_all_reduce below was called
                 g.data = np.full(4, float(comm.rank + 1))
 
             engine.push(produce, mutate=[g.var])
