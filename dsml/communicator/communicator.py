@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ..collectives.cost import Choice, CostModel
 from ..collectives.cost_auto import AutoChooser
+from ..collectives.interop import native_arrays, with_native  # torch, JAX, DLPack, buffers
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
 from ..errors import CollectiveAbortedError
@@ -221,46 +222,54 @@ class Communicator:
     # -- collectives ------------------------------------------------------------------------
     # Each method builds a `Request` and starts it (`_start`); see docs/architecture.md.
 
+    @native_arrays(writes=True)
     def all_reduce(
         self, x: Array, op: Any = "sum", *, algorithm: str = "auto", timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Reduce x over all ranks, in place on every rank; the handle gives x."""
         return self._start(Request("all_reduce", x, op=op, algorithm=algorithm, timeout=timeout))
 
+    @native_arrays(writes=True)
     def reduce(
         self, x: Array, root: int = 0, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
         return self._start(Request("reduce", x, op=op, root=root, timeout=timeout))
 
+    @native_arrays(writes=True)
     def broadcast(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
         return self._start(Request("broadcast", x, root=root, timeout=timeout))
 
+    @native_arrays(writes=False)
     def all_gather(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Every rank's x concatenated along axis 0 in rank order (a new array)."""
         return self._start(Request("all_gather", x, timeout=timeout))
 
+    @native_arrays(writes=False)
     def gather(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Like all_gather, but only root gets the result; others get None."""
         return self._start(Request("gather", x, root=root, timeout=timeout))
 
+    @native_arrays(writes=False)
     def scatter(
         self, x: Array | None = None, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
         return self._start(Request("scatter", x, root=root, timeout=timeout))
 
+    @native_arrays(writes=False)
     def reduce_scatter(
         self, x: Array, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives the reduction of numpy.array_split(x, world_size)[r]."""
         return self._start(Request("reduce_scatter", x, op=op, timeout=timeout))
 
+    @native_arrays(writes=False)
     def all_to_all(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
         concatenated in rank order."""
@@ -285,6 +294,7 @@ class Communicator:
 
     # -- point to point ---------------------------------------------------------------------
 
+    @native_arrays(writes=False)
     def send(
         self, x: Array, dst: int, *, tag: int = 0, timeout: float | None = None
     ) -> CollectiveHandle[None]:
@@ -355,20 +365,26 @@ class Communicator:
         leaving the ranks' collective ids out of step. `algorithm` and `timeout` are
         all_reduce's.
         """
-        return self._engine_link.push_collective(
-            tagged,
-            read,
-            Request("all_reduce", tagged.data, op=op, algorithm=algorithm, timeout=timeout),
+        return with_native(  # torch, JAX, DLPack data: as for all_reduce
+            tagged.data,
+            True,
+            lambda data: self._engine_link.push_collective(
+                tagged,
+                read,
+                Request("all_reduce", data, op=op, algorithm=algorithm, timeout=timeout),
+            ),
         )
 
     def push_broadcast(
         self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
     ) -> OpHandle[Array]:
         """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
-        return self._engine_link.push_collective(
-            tagged,
-            (),
-            Request("broadcast", tagged.data, root=root, timeout=timeout),
+        return with_native(
+            tagged.data,
+            True,
+            lambda data: self._engine_link.push_collective(
+                tagged, (), Request("broadcast", data, root=root, timeout=timeout)
+            ),
         )
 
     # -- lifecycle --------------------------------------------------------------------------

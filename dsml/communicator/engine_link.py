@@ -15,8 +15,8 @@ same order on every rank when some of them go through the engine:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from ..engine import Engine, OpHandle, Tagged, Var, current_op
@@ -75,6 +75,7 @@ class EngineLink:
         """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
         started: list[CollectiveHandle[Array] | BaseException] = []
         name = f"{request.collective}({tagged.var.name})"
+        pushed = tagged.data  # (request.x may be its numpy view: see with_native)
 
         async def issue() -> None:
             op = current_op()
@@ -83,8 +84,9 @@ class EngineLink:
                 started.append(op.blocked)
                 return
             try:
-                # The data as it is now: an earlier op of the engine may have set it.
-                started.append(self._start(dataclasses.replace(request, x=tagged.data)))
+                # An earlier op of the engine may have set the data since the push.
+                now = request if tagged.data is pushed else replace(request, x=tagged.data)
+                started.append(self._start(now))
             except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 started.append(exc)
 
