@@ -403,7 +403,9 @@ def init(
     Use `with dsml.blocking.init(...) as comm:` or call `comm.close()` when done.
 
     Raises:
-        As `dsml.init`; KeyboardInterrupt (Ctrl-C) while joining gives the join up.
+        DsmlError: as `dsml.init` raises them (`ConfigError`, `RegistryUnavailableError`,
+            `JoinTimeoutError`).
+        KeyboardInterrupt: Ctrl-C while joining gives the join up.
     """
     loop = LoopThread()
 

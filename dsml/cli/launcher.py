@@ -104,11 +104,24 @@ class Failure:
             f"dsml run: rank {self.rank}{where} failed ({describe_exit(self.code)}); "
             "the other ranks were stopped."
         ]
-        if self.tail:
+        error = _error_of(self.tail)
+        if error:  # its traceback was printed above, with the rank's other output
+            lines.append(f"---- rank {self.rank}'s error (traceback above) ----")
+            lines += [f"  {line}" for line in error]
+            lines.append("----")
+        elif self.tail:
             lines.append(f"---- last lines rank {self.rank} wrote to stderr ----")
             lines += [f"  {line}" for line in self.tail]
             lines.append("----")
         return "\n".join(lines)
+
+
+def _error_of(tail: list[str]) -> list[str]:
+    """The exception lines that end a Python traceback in `tail` ([] if it holds none)."""
+    if not any(line.startswith("Traceback (most recent call last)") for line in tail):
+        return []
+    last_frame = max(i for i, line in enumerate(tail) if line.startswith((" ", "Traceback")))
+    return tail[last_frame + 1 :]
 
 
 class Launch:

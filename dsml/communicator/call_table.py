@@ -55,6 +55,9 @@ class CallTable:
         self.finished: tuple[int, int, str] | None = None  # ... report these two
         self._aborts: dict[int, Envelope] = {}  # aborts of calls not made here yet
         self._probing: set[tuple[int, int]] = set()
+        #: the tables of sub-communicators (comm.split): a failure of this table's calls
+        #: (a lost member, an eviction) fails theirs too
+        self.children: list[CallTable] = []
         self.inbound: dict[Kind, Inbound] = {
             Kind.CHUNK: self.handle_chunk,
             Kind.CONFIRM: self.handle_chunk,
@@ -150,6 +153,8 @@ class CallTable:
         for call in [*self.calls.values(), *self.receives]:
             if (call.cid > after or call in self.receives) and call.failure is None:
                 failed += call.fail(make_error(call))
+        for child in self.children:
+            failed += child.fail_all(make_error)
         return failed
 
     async def probe(self, call: Call) -> dict[int, int | None]:

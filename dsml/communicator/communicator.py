@@ -11,18 +11,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Iterable
+import json
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from os import PathLike
 from types import TracebackType
 from typing import Any, TypeVar
+
+import numpy as np
 
 from ..collectives.cost import Choice, CostModel
 from ..collectives.cost_auto import AutoChooser
 from ..collectives.interop import native_arrays, with_native  # torch, JAX, DLPack, buffers
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
-from ..errors import CollectiveAbortedError
+from ..engine.trace import TraceRecorder
+from ..errors import CollectiveAbortedError, ConfigError, MembershipChangedError
 from ..membership import RegistryClient, View
 from ..wire import Fingerprint
+from . import subgroups
 from .call import Call
 from .call_table import CallTable
 from .collective_handle import CollectiveHandle
@@ -32,6 +38,7 @@ from .p2p import PointToPoint
 from .placement import Placement
 from .plans import Planner, Request
 from .runner import Runner
+from .subgroups import Demux
 from .tasks import TaskOwner
 from .view_changes import ViewChanges, ViewListener
 
@@ -82,11 +89,16 @@ class Communicator:
         self._on_close: list[Callable[[], Awaitable[None]]] = []
         links.said_goodbye = self._table.closed_after.__contains__
         links.on_bug = tasks.on_crash = self._fail
+        self._loop = loop
+        self._demux = Demux(self._table.inbound)  # the parent's messages, and sub-groups'
+        self._splits = 0  # split/new_group calls so far: numbers sub-groups alike everywhere
+        self._subs: list[Communicator] = []
+        self._views.listeners.append(lambda _old, _new: self._demux.new_epoch())
 
     def open(self, view: View) -> None:
         """Install the first view, route peer messages, and start listening to the registry
         and sending heartbeats."""
-        self._links.route(self._table.inbound)
+        self._links.route(self._demux.routes)
         self._views.install_first(view)
         self._registry.attach(self._views)
         self._registry.start_heartbeats(self._progress)
@@ -219,6 +231,34 @@ class Communicator:
             "next_cid": self._table.next_cid,
         }
 
+    def stats(self) -> list[dict[str, Any]]:
+        """The recent collectives of this rank (oldest first, at most 256), with where their
+        time went.
+
+        Each is a dict: `kind`, `cid`, `epoch`, `bytes`, `algorithm` (what `auto` chose),
+        `outcome` ("ok", "running", "cancelled" or the error's type), and seconds:
+        `total_s` and its split `waiting_s` (for peers to arrive), `wire_s` (data in
+        flight, full queues), `reduce_s`, `copy_s`, `other_s` (the rest). See
+        docs/observability.md.
+        """
+        return [record.as_dict() for record in self._runner.stats.recent]
+
+    def trace(self) -> dict[str, Any]:
+        """The recent collectives, and the engine's ops when it records them
+        (`CommConfig(engine_trace=True)`), as one Chrome / Perfetto trace-event dict."""
+        spans = [record.span() for record in self._runner.stats.recent]
+        if self.config.engine_trace:
+            return self.engine.trace(extra=spans)
+        recorder = TraceRecorder()
+        if spans:
+            recorder.origin = min(span.start for span in spans)
+        return recorder.chrome_trace(f"dsml rank {self.rank}", spans)
+
+    def write_trace(self, path: str | PathLike[str]) -> None:
+        """Write `trace()` to `path` as JSON (open it at https://ui.perfetto.dev)."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.trace(), file)
+
     # -- collectives ------------------------------------------------------------------------
     # Each method builds a `Request` and starts it (`_start`); see docs/architecture.md.
 
@@ -291,6 +331,111 @@ class Communicator:
         if self._engine_link.must_queue():
             return self._engine_link.queue(request)
         return self._runner.collective(request)
+
+    # -- sub-communicators ------------------------------------------------------------------
+
+    async def split(
+        self,
+        color: int | None,
+        key: int | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the all_gather's, as on every call)
+    ) -> Communicator | None:
+        """Split the group into sub-communicators, one per colour (MPI_Comm_split).
+
+        Every rank calls it (it is a collective). Ranks that pass the same `color` (an int
+        >= 0) form one sub-communicator, ranked by `key` (default 0), ties broken by their
+        rank here; a rank that passes None gets None. Collectives on a sub-communicator run
+        concurrently with this communicator's; a lost member fails the calls of both, and
+        after a change of view the sub-communicator refuses calls (split again).
+
+        Raises:
+            ConfigError: on every rank, if any rank passed an invalid color or key.
+        """
+        index = self._take_split()
+        valid = subgroups.check_split_args(color, key)
+        row = [int(valid), int(color is not None and valid), 0, 0]
+        if valid:
+            row[2], row[3] = color or 0, key or 0
+        rows = await self.all_gather(np.array([row], dtype=np.int64), timeout=timeout)
+        self._check_same_view(len(rows))
+        bad = [r for r, (ok, *_rest) in enumerate(rows.tolist()) if not ok]
+        if bad:
+            raise ConfigError(
+                f"comm.split: rank(s) {bad} passed an invalid color or key (color: an int >= 0 "
+                "or None; key: an int or None); no sub-communicator was made"
+            )
+        mine = subgroups.split_members([r[1:] for r in rows.tolist()], self._links.rank)
+        if mine is None:
+            return None
+        color_index, members = mine
+        return self._sub(subgroups.group_id(index, color_index), members)
+
+    async def new_group(
+        self,
+        ranks: Sequence[int],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the all_gather's, as on every call)
+    ) -> Communicator | None:
+        """A sub-communicator of `ranks` (sub-rank i is ranks[i]); None on other ranks.
+
+        Every rank calls it with the same list (it is a collective).
+
+        Raises:
+            ConfigError: on every rank, if the lists differ or one is invalid.
+        """
+        index = self._take_split()
+        members = list(ranks) if isinstance(ranks, Sequence) else []
+        valid = (
+            bool(members)
+            and all(type(r) is int and 0 <= r < self.world_size for r in members)
+            and len(set(members)) == len(members)
+        )
+        row = np.array([int(valid), *(members if valid else [])], dtype=np.int64)
+        flat = (await self.all_gather(row, timeout=timeout)).tolist()
+        self._check_same_view(self._links.size)
+        lists, at = [], 0
+        for _ in range(self.world_size):  # each rank's row: valid, then its ranks if valid
+            ok = flat[at]
+            count = len(members) if ok and valid else 0
+            if ok and not valid:
+                raise ConfigError(
+                    f"comm.new_group: rank {self.rank} passed an invalid list {ranks!r} "
+                    f"(distinct ranks in 0..{self.world_size - 1}); no group was made"
+                )
+            lists.append(flat[at + 1 : at + 1 + count] if ok else None)
+            at += 1 + count
+        if at != len(flat) or any(other != members for other in lists):
+            raise ConfigError(
+                "comm.new_group: the ranks did not all pass the same valid list of ranks "
+                f"(this rank passed {ranks!r}); no group was made"
+            )
+        if self._links.rank not in members:
+            return None
+        return self._sub(subgroups.group_id(index, 0), members)
+
+    def _check_same_view(self, gathered: int) -> None:
+        """The group must not have changed between the all_gather and making the group."""
+        if gathered != self._links.size:
+            raise MembershipChangedError(
+                f"the group changed while rank {self._links.rank} was splitting it (epoch "
+                f"{self._links.epoch}); split again once the new view is in place",
+                rank=self._links.rank,
+                epoch=self._links.epoch,
+            )
+
+    def _take_split(self) -> int:
+        if isinstance(self._links, subgroups.SubLinks):
+            raise ConfigError("a sub-communicator cannot be split again: split its parent instead")
+        self._splits += 1
+        return self._splits
+
+    def _sub(self, group: int, members: list[int]) -> Communicator:
+        from .sub_communicator import SubCommunicator
+
+        sub = SubCommunicator(self, group, members)
+        self._subs.append(sub)
+        return sub
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -398,6 +543,8 @@ class Communicator:
         """
         if self._runner.closed:
             return
+        for sub in list(self._subs):  # they say goodbye in their group before we do
+            await sub.aclose(error=error, cancel=cancel)
         await self._engine_link.aclose(cancel=cancel or error is not None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
@@ -418,6 +565,8 @@ class Communicator:
         at once, calls in flight cancelled (see `dsml.testing.crash`)."""
         if self._runner.closed:
             return
+        for sub in list(self._subs):
+            await sub._crash()
         self._registry.stop_heartbeats()
         await self._links.crash()
         await self._registry.aclose(linger_s=0.0)
