@@ -100,7 +100,10 @@ async def engine_step(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list
             mutate=[grads[i].var, deltas[i].var],
             name=f"backward{i}",
         )
-        comm.push_all_reduce(grads[i], "avg")
+        # One all_reduce on the wire at a time (each waits for the one before to finish):
+        # collectives in flight together share the links and delay each other's steps.
+        after = [grads[i + 1].var] if i + 1 < n else []
+        comm.push_all_reduce(grads[i], "avg", read=after)
     await engine.wait_all()
     return [g.data for g in grads]
 
