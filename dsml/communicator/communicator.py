@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..collectives.cost import Choice, CostModel
+from ..collectives.cost_auto import AutoChooser
 from ..collectives.interop import native_arrays, with_native  # torch, JAX, DLPack, buffers
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
@@ -72,9 +74,15 @@ class Communicator:
         self._table = CallTable(links, config)
         self._views = ViewChanges(self._table, links, registry, config.view_timeout)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
+        self._auto = AutoChooser(  # what `auto` runs across hosts (docs/auto.md)
+            lambda: links.epoch,
+            lambda: host_keys(links.view),
+            default_chunk_bytes=config.chunk_bytes,
+            max_chunk_bytes=config.max_frame_bytes,
+        )
         self._shm = ShmHook(config, self._table)  # same-host shared memory (shm_hook.py)
         self._views.listeners.append(lambda _old, new: self._shm.set_view(new))
-        planner = Planner(config.chunk_bytes, self._placement, self._shm)
+        planner = Planner(config.chunk_bytes, self._placement, self._auto, self._shm)
         self._runner = Runner(self._table, self._views, planner, tasks, config, loop)
         self._p2p = PointToPoint(self._table, self._placement)
         self._views.listeners.append(lambda _old, _new: self._p2p.reset())
@@ -199,6 +207,19 @@ class Communicator:
         """ "cpu" or "cuda:N": where arrays this communicator creates without an input go
         (`recv`, `scatter` on non-roots). Collectives on an array work on its own device."""
         return self._placement.device
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model measured on this view, which `auto` chooses from (docs/auto.md).
+
+        None on a single host (a measured size table decides there) and, across hosts,
+        until the view's first `auto` all_reduce has measured it.
+        """
+        return self._auto.model
+
+    def all_reduce_choice(self, nbytes: int) -> Choice:
+        """What `all_reduce(algorithm="auto")` runs now for an array of nbytes."""
+        return self._auto.choice(nbytes, self._links.size)
 
     def statistics(self) -> dict[str, int]:
         """Counters of the data plane: messages dropped as malformed, of an older epoch
@@ -579,3 +600,10 @@ class Communicator:
             f"<Communicator rank={self.rank}/{self.world_size} epoch={self.epoch} "
             f"address={self.address} in_flight={len(self._table.calls)}{state}>"
         )
+
+
+def host_keys(view: View | None) -> list[str]:
+    """Per rank, where it runs: host name and IP (equal keys share a machine's network)."""
+    if view is None:
+        return []
+    return [f"{m.host}/{m.address.split('://', 1)[-1].rsplit(':', 1)[0]}" for m in view.members]

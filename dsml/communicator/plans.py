@@ -35,7 +35,8 @@ from ..collectives import (
     scatter_direct,
 )
 from ..collectives.chunking import split_spans
-from ..collectives.group import wait_receipts
+from ..collectives.cost_auto import AutoChooser
+from ..collectives.group import Group, wait_receipts
 from ..errors import ConfigError
 from ..wire import Fingerprint
 from .call import Call
@@ -124,10 +125,17 @@ def _rows_view(x: Array) -> Array:
 class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
-    def __init__(self, chunk_bytes: int, placement: Placement, shm: ShmHook | None = None) -> None:
+    def __init__(
+        self,
+        chunk_bytes: int,
+        placement: Placement,
+        auto: AutoChooser | None = None,
+        shm: ShmHook | None = None,
+    ) -> None:
         self._pools: dict[str, BufferPool] = {}
         self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
         self._placement = placement
+        self._auto = auto  # what `auto` runs across hosts (None: the size table)
         self._shm = shm  # the same-host shared-memory plane (shm_hook.py)
 
     def pool(self, be: ArrayBackend) -> BufferPool:
@@ -209,12 +217,21 @@ class Planner:
     def _all_reduce(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x, writable=True)
         reduce_op = check_op(request.op, dtype)
+        asked = check_algorithm(request.algorithm)
         # Shared memory when the whole group is on this host (the same answer on every
         # rank: it depends on the view only); "shm" asked for elsewhere runs the ring.
-        shm, asked = self._shm, check_algorithm(request.algorithm)
+        shm = self._shm
         in_shm = shm is not None and asked in ("auto", *SHM_ALGORITHMS) and shm.claim(be)
         hier = asked == "hierarchical" and shm is not None and shm.claim_hierarchical(be)
-        algo = "shm" if in_shm and asked == "auto" else self.choose_algorithm(asked, x.nbytes, size)
+        # Across hosts, auto runs what the view's measured cost model picks (agreed by all
+        # ranks, chunk size included, so the fingerprint leaves the chunk open).
+        algo, ticket = asked, None
+        if in_shm and asked == "auto":
+            algo = "shm"
+        elif algo == "auto" and self._auto and size > 1:
+            ticket = self._auto.ticket()
+        if ticket is None:
+            algo = self.choose_algorithm(algo, x.nbytes, size)
         fp = Fingerprint(
             "all_reduce",
             dtype=dtype,
@@ -222,12 +239,16 @@ class Planner:
             shape=x.shape,
             op=reduce_op.value,
             algorithm=algo,
-            chunk_bytes=self._chunk,
+            chunk_bytes=None if ticket is not None else self._chunk,
         )
 
         async def body(call: Call) -> Array:
             if call.size == 1:
                 return x
+            group: Group = call
+            run = algo
+            if ticket is not None:
+                group, run = await ticket.resolve(call, x.nbytes)
             src, copy = self._flat_input(be, x)
             if hier and shm is not None:
                 await shm.all_reduce_hierarchical(call, src, src, reduce_op)
@@ -243,8 +264,8 @@ class Planner:
                 return x
             work = self.pool(be).acquire(x.size, src.dtype)
             dst = src if copy is None else work  # x itself when contiguous: no final copy
-            tcp = "ring" if algo in SHM_ALGORITHMS else algo
-            pending = await ALL_REDUCE[tcp](call, be, src, work, dst, reduce_op)
+            tcp = "ring" if run in SHM_ALGORITHMS else run
+            pending = await ALL_REDUCE[tcp](group, be, src, work, dst, reduce_op)
             if dst is work:
                 be.copy_out(work, x)
             self.pool(be).release(work, pending)

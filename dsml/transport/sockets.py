@@ -152,12 +152,18 @@ def _zero_copy_frames(
     """Wrap the buffers that are large enough to go without copying in tracked frames.
 
     pyzmq's `send_multipart(track=True)` tracks only the last frame, so each large buffer
-    gets its own tracked frame and the receipt watches all of them.
+    gets its own tracked frame and the receipt watches all of them. A whole received
+    frame passed on (the ring's all-gather forwards what arrives) goes as that frame:
+    libzmq shares its memory, and with nothing of ours in it there is nothing to track
+    (and no hand-back to pyzmq's collector thread when libzmq is done with it).
     """
     parts: list[Any] = []
     tracked: list[zmq.Frame] = []
     for buf in payload:
-        if memoryview(buf).nbytes >= threshold:
+        owner: object = buf.obj if isinstance(buf, memoryview) else None
+        if isinstance(owner, zmq.Frame) and buf.nbytes == len(owner):
+            parts.append(owner)
+        elif memoryview(buf).nbytes >= threshold:
             frame = zmq.Frame(buf, copy=False, track=True)
             tracked.append(frame)
             parts.append(frame)
