@@ -24,7 +24,7 @@ from ..collectives.group import Lane, Receipt, Received
 from ..collectives.shm_plane import HostMember, SameHost, ShmCall
 from ..config import CommConfig
 from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
-from ..membership import View
+from ..membership import Member, View
 from ..transport.shm_segment import ShmFullError
 from ..wire import Fingerprint
 from . import stats
@@ -57,7 +57,7 @@ class ShmHook:
         """Follow a new view (at a collective boundary)."""
         rank = view.rank_of(self._member_id)
         assert rank is not None
-        members = [HostMember(m.id, m.host, m.host_id, m.pid) for m in view.members]
+        members = [HostMember(m.id, _where(m), m.host_id, m.pid) for m in view.members]
         self.plane.set_view(view.epoch, members, rank)
 
     def claim(self, be: ArrayBackend) -> bool:
@@ -188,6 +188,14 @@ class ShmHook:
 
     def __repr__(self) -> str:
         return f"<ShmHook {self.plane!r}>"
+
+
+def _where(member: Member) -> str:
+    """Host name and advertised IP: ranks of one machine that advertise different
+    addresses count as different hosts (as the cost model and the multi-host test
+    harness see them), so they talk over TCP (or `hierarchical`) rather than share memory."""
+    ip = member.address.split("://", 1)[-1].rsplit(":", 1)[0]
+    return f"{member.host}/{ip}"
 
 
 def _count_wait(phase: int, seconds: float) -> None:
