@@ -146,6 +146,14 @@ class RegistryClient:
         """Report that the connection to `member_id` dropped (the registry checks it)."""
         self._send_nowait(Kind.SUSPECT, {"member": member_id, "epoch": epoch})
 
+    def agreed(self, view: View, previous: int, lost: list[str]) -> None:
+        """Tell the registry the survivors of epoch `previous` agreed on `view` without it
+        (it adopts the view when it hears this, or asks again after a heartbeat)."""
+        if self.view is None or view.epoch > self.view.epoch:
+            self.view = view  # what this member reports from now on (REJOIN)
+        body = {"view": view.to_wire(), "previous": previous, "lost": lost}
+        self._send_nowait(Kind.VIEW_AGREED, body)
+
     def ready(self, epoch: int, next_cid: int) -> None:
         """Answer a proposal: collectives from `next_cid` on wait for the registry."""
         self._send_nowait(Kind.READY, {"epoch": epoch, "next_cid": next_cid})

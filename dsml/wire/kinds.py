@@ -31,6 +31,7 @@ class Kind(enum.IntEnum):
     PING = 15  # registry: "are you connected?" (ignored; only its delivery matters)
     WORKER_HELLO = 16  # worker daemon: "I serve jobs at this address; idle or busy" (periodic)
     WORKER_BYE = 17  # worker daemon: "I am shutting down"
+    VIEW_AGREED = 18  # worker: "while you were away, the survivors agreed on this view"
 
     # -- data plane: peer <-> peer --------------------------------------------------------
     CHUNK = 20  # peer: "payload of step/chunk of collective #cid" (raw frames follow)
