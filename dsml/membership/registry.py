@@ -635,6 +635,7 @@ class Registry:
                     "heartbeats": live.beats if live else 0,
                     "started": live.started if live else None,
                     "finished": live.finished if live else None,
+                    "counters": dict(live.counters) if live else {},
                 }
             )
         return {
@@ -651,6 +652,8 @@ class Registry:
             "views_published": self.views_published,
             "dropped_messages": self.dropped_messages,
             "undelivered_replies": self.undelivered,
+            "stalls": self.stalls,
+            "views_adopted": self.adopted,
         }
 
     def _target_size(self) -> int:
