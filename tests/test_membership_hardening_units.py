@@ -254,19 +254,25 @@ def test_warnings_are_one_line_per_key_per_interval_with_counts(caplog):
 # -- liveness ---------------------------------------------------------------------------
 
 
-def test_silent_members_are_evicted_only_while_a_majority_is_heard():
+def test_silent_members_are_evicted_only_when_they_cannot_be_a_group_of_their_own():
     members = ["a", "b", "c", "d"]
     live = {m: Liveness(last_seen=100.0) for m in members}
     live["d"].last_seen = 80.0
     assert evictable(members, live, 101.0, 10.0, lambda m: True) == (["d"], [])
-    live["c"].last_seen = 80.0  # two of four silent: no majority heard
-    assert evictable(members, live, 101.0, 10.0, lambda m: True) == ([], ["c", "d"])
-    # ... but a silent member whose connection is gone too has died
-    assert evictable(members, live, 101.0, 10.0, lambda m: m != "d") == (["d"], ["c"])
+    live["c"].last_seen = 80.0  # two of four: no majority, they cannot go on alone
+    assert evictable(members, live, 101.0, 10.0, lambda m: True) == (["c", "d"], [])
+    live["b"].last_seen = 80.0  # three of four silent: they may run on without us
+    assert evictable(members, live, 101.0, 10.0, lambda m: True) == ([], ["b", "c", "d"])
+    # ... but those whose connection is gone too have died
+    assert evictable(members, live, 101.0, 10.0, lambda m: m != "d") == (["b", "c", "d"], [])
     for m in members:  # the registry heard nobody: it is the one cut off
         live[m].last_seen = 80.0
     assert evictable(members, live, 101.0, 10.0, lambda m: True) == ([], members)
+    assert evictable(members, live, 101.0, 10.0, lambda m: False) == (members, [])
     assert evictable(members, live, 85.0, 10.0, lambda m: True) == ([], [])
+    assert evictable(["a", "b"], live, 101.0, 10.0, lambda m: True) == ([], ["a", "b"])
+    live["a"].last_seen = 100.0  # a group of two: the registry and "a" drop "b"
+    assert evictable(["a", "b"], live, 101.0, 10.0, lambda m: True) == (["b"], [])
 
 
 def test_the_stall_detector_reports_how_late_a_tick_came():

@@ -2,13 +2,14 @@
 
 Pure decisions for the registry's watchdog, kept apart so each rule is tested alone:
 
-- **The registry being unreachable is not the members being dead.** A member silent for
-  the heartbeat timeout is evicted only while the registry still hears a strict majority
-  of the view (`evictable`). If it hears fewer, the likelier story is that the registry is
-  the one cut off (a partition, a frozen host), and evicting would be a split brain in the
-  making: the majority may already run on in a view of its own. Silent members whose
-  connection to the registry is also gone (the process died) may still be evicted, since a
-  dead process cannot be part of a running group.
+- **The registry being unreachable is not the members being dead.** Members silent for
+  the heartbeat timeout are evicted only if they could not be running on without the
+  registry: a group may go on without it only as a strict majority of its view (see
+  `agreement`), so silent members that are no strict majority are evicted (the registry
+  and the rest are the group), but when the silent ones are a strict majority the likelier
+  story is that the registry is the one cut off (a partition, a frozen host), and evicting
+  them would make a second group (`evictable`). Silent members whose connection to the
+  registry is gone too (the process died) never count as a possible group.
 - **A frozen registry does not count the freeze against the members.** The watchdog ticks
   every period; when a tick comes much later than asked (the process was stopped, the
   host hung), `StallDetector` reports the gap and the registry re-learns the members as
@@ -45,19 +46,18 @@ def evictable(
     timeout: float,
     connected: Callable[[str], bool],
 ) -> tuple[list[str], list[str]]:
-    """(silent members to evict now, silent members kept because quorum is missing).
+    """(silent members to evict now, silent members kept: they may be a running group).
 
-    See the module docstring: with a strict majority heard, every silent member goes;
-    without it, only the silent ones that are disconnected too.
+    See the module docstring.
     """
     silent = [m for m in members if now - live[m].last_seen > timeout]
     if not silent:
         return [], []
-    heard = len(members) - len(silent)
-    if 2 * heard > len(members):
-        return silent, []
-    gone = [m for m in silent if not connected(m)]
-    return gone, [m for m in silent if m not in gone]
+    still_there = [m for m in silent if connected(m)]
+    if 2 * len(still_there) > len(members):
+        gone = [m for m in silent if m not in still_there]
+        return gone, still_there
+    return silent, []
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ thread whose identity is the member id plus `.hb`.
   their view (REREGISTER/REJOIN) and adopts the newest; nobody is evicted before a full
   heartbeat timeout has passed since the restart.
 - Away: the registry being unreachable is not the members being dead (`liveness`). Silent
-  members are evicted only while a strict majority of the view is still heard; a registry
+  members are evicted only when they cannot be a group of their own (no strict majority of
+  the view, or disconnected); a registry
   that was stopped (SIGSTOP, a hung host) credits the time it did not run to everyone and,
   after a long stall, re-learns the members as after a restart. Survivors of a loss that
   happened meanwhile agree on a view among themselves (`agreement`) and report it
@@ -205,7 +206,7 @@ class Registry:
             log.warning("refused %s: %s", member.describe(), reason)
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": reason})
             return
-        accepted = {"heartbeat_interval": self.config.heartbeat_interval}
+        accepted = self._settings()
         if self._view is not None:  # a running group: admit at an agreed boundary
             self._pending[member.id] = member
             accepted |= {"joined": len(self._pending), "world_size": self._view.size}
@@ -312,6 +313,7 @@ class Registry:
             left=change.left,
             joined=change.joined,
             heartbeat_interval=self.config.heartbeat_interval,
+            heartbeat_timeout=self.config.heartbeat_timeout,
         )
         self._view = View(self._epoch, members)
         self._change = change
@@ -392,6 +394,7 @@ class Registry:
             live.epoch, live.started, live.finished = epoch, started, finished
             live.counters = counters
             live.beats += 1
+            self._reply(member_id.encode(), Kind.HEARTBEAT_ACK, {"epoch": self._epoch})
             if self._view is None:
                 return
             if epoch > self._view.epoch and now - live.asked_view > self.config.heartbeat_interval:
@@ -416,7 +419,10 @@ class Registry:
             self._reply(member_id.encode(), Kind.REREGISTER, self._settings())  # a restart
 
     def _settings(self) -> dict[str, Any]:
-        return {"heartbeat_interval": self.config.heartbeat_interval}
+        return {
+            "heartbeat_interval": self.config.heartbeat_interval,
+            "heartbeat_timeout": self.config.heartbeat_timeout,
+        }
 
     async def _watchdog(self) -> None:
         """Declare dead the members silent for longer than the heartbeat timeout (see
@@ -465,8 +471,9 @@ class Registry:
             self.kept_silent += 1
             if self.kept_silent == 1 or self.kept_silent % 50 == 0:
                 log.warning(
-                    "no heartbeat from %s for %g s, but the registry hears no majority of "
-                    "the group: it may be the one cut off, so nobody is evicted for it",
+                    "no heartbeat from %s for %g s, but they are a majority of the group "
+                    "and still connected: the registry may be the one cut off, and they may "
+                    "run on without it, so nobody is evicted for it",
                     ", ".join(kept),
                     self.config.heartbeat_timeout,
                 )
@@ -592,6 +599,7 @@ class Registry:
             previous=previous.epoch if previous else view.epoch,
             lost=tuple(lost),
             heartbeat_interval=self.config.heartbeat_interval,
+            heartbeat_timeout=self.config.heartbeat_timeout,
         )
         self._live = {m.id: Liveness(last_seen=now, view_sent=now) for m in view.members}
         self._started_at = now  # a full timeout of grace for everyone to report in
