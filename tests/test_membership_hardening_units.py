@@ -19,6 +19,7 @@ from dsml.membership import Member, View
 from dsml.membership.agreement import Agreement, digest, has_quorum, successor
 from dsml.membership.holding import FutureHold, HoldBudget
 from dsml.membership.liveness import Liveness, StallDetector, evictable
+from dsml.membership.peerwatch import PeerWatch
 from dsml.membership.ratelimit import RateLimitedLog
 
 
@@ -281,3 +282,25 @@ def test_the_stall_detector_reports_how_late_a_tick_came():
     assert stall.tick(0.25) == 0.0
     assert stall.tick(4.45) == pytest.approx(4.0)
     assert stall.stalls == 1
+
+
+# -- peers watching each other ------------------------------------------------------------
+
+
+def test_a_peer_silent_past_the_timeout_is_named_and_idle_links_get_beats():
+    watch = PeerWatch(interval=1.0, timeout=5.0)
+    watch.reset(["a", "b"], now=0.0)
+    assert watch.due(0.0) == ["a", "b"]  # nothing sent yet
+    watch.sent("a", 0.0)
+    watch.sent("b", 0.5)
+    assert watch.due(1.2) == ["a"]
+    watch.heard("a", 4.0)
+    assert watch.silent(5.5) == ["b"]
+    watch.credit(3.0)  # this member itself did not run for 3 s
+    assert watch.silent(5.5) == []
+    assert watch.silent(8.6) == ["b"]
+    watch.heard("stranger", 9.0)  # not a peer: ignored
+    assert "stranger" not in watch.last_heard
+    watch.reset(["b", "c"], now=10.0)
+    assert watch.silent(14.0) == []
+    assert sorted(watch.last_heard) == ["b", "c"]
