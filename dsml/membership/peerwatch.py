@@ -32,7 +32,7 @@ class PeerWatch:
         """Watch these peers (a new view): everyone starts as just heard."""
         peers = list(peers)
         self.last_heard = dict.fromkeys(peers, now)
-        self.last_sent = {p: self.last_sent.get(p, 0.0) for p in peers}
+        self.last_sent = {p: self.last_sent.get(p, float("-inf")) for p in peers}
 
     def heard(self, peer: str, now: float) -> None:
         if peer in self.last_heard:
