@@ -538,7 +538,7 @@ class Registry:
         view = View.from_wire(Fields(env.body, "Rejoin").get_map("view"))
         if view.rank_of(member_id) is None:
             raise ProtocolError("Rejoin: the view does not list its sender")
-        self._adopt(member_id, view, "reported after a restart")
+        self._adopt(member_id, view, "as its members report it")
 
     def handle_view_agreed(self, sender: bytes, env: Envelope) -> None:
         """Survivors agreed on `view` without the registry: adopt it if it descends from
