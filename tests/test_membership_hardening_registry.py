@@ -133,7 +133,7 @@ async def test_silent_members_are_evicted_only_when_they_cannot_run_on_alone(sil
     after the timeout; three (a majority, which may run on without the registry) are not."""
     config = RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=0.4)
     async with open_registry(config=config) as registry:
-        clients, recorders = await join_group(registry.address)
+        clients, _recorders = await join_group(registry.address)
         try:
             view = clients[0].view
             assert view is not None
