@@ -149,3 +149,24 @@ async def test_silent_members_are_evicted_only_when_they_cannot_run_on_alone(sil
                 assert registry.view.size == WORLD - silent
         finally:
             await close_all(clients)
+
+
+async def test_a_member_most_others_lost_their_links_to_is_cut_off_though_it_reaches_the_registry():
+    async with open_registry() as registry:
+        clients, recorders = await join_group(registry.address)
+        try:
+            view = clients[0].view
+            assert view is not None
+            cut = view.members[3].id
+            clients[0].suspect(cut, view.epoch)  # one report: checked, still connected
+            await eventually(lambda: registry.epoch == view.epoch + 1, "the epoch renewed")
+            assert registry.view is not None
+            assert registry.view.size == WORLD
+            for client in clients[:3]:
+                client.suspect(cut, registry.epoch)
+            await eventually(lambda: recorders[3].evicted, "the cut-off member told")
+            assert registry.view.size == WORLD - 1
+            assert registry.view.rank_of(cut) is None
+            assert "cut off from the group" in recorders[3].evicted[0][1]
+        finally:
+            await close_all(clients)

@@ -8,8 +8,10 @@ thread whose identity is the member id plus `.hb`.
   `dsml run` does) get it. When `world_size` members have joined, the group forms at a new
   epoch and every member gets the view.
 - Liveness: a member silent for `heartbeat_timeout` is declared dead. A member whose peer
-  connection dropped reports it (SUSPECT); the registry checks that the suspect's own
-  connection to the registry is gone too, and declares it dead at once if so. A member that
+  connection dropped, or went silent, reports it (SUSPECT); the registry checks that the
+  suspect's own connection to the registry is gone too, and declares it dead at once if
+  so. A member that most of the others report (a strict majority of them) is cut off from
+  the group and dropped even if it still reaches the registry. A member that
   was declared dead and comes back is told it was evicted.
 - Views: every change of membership makes a view with a higher epoch, ranks renumbered
   0..n-1 in the previous ring order. A loss or a leave ends the old epoch at once. Joiners
@@ -91,6 +93,7 @@ class Registry:
         self._live: dict[str, Liveness] = {}
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
         self._suspects: set[str] = set()  # being checked
+        self._reports: dict[str, set[str]] = {}  # suspect -> members that lost it, this epoch
         self.pool = WorkerPool()  # worker daemons waiting for jobs (`dsml worker`)
         self._started_at = time.monotonic()
         self.stalls = 0  # times the registry found it had not run for a while
@@ -317,6 +320,7 @@ class Registry:
         )
         self._view = View(self._epoch, members)
         self._change = change
+        self._reports.clear()
         self.views_published += 1
         for member in members:
             self._live.setdefault(member.id, Liveness(last_seen=now, view_sent=now))
@@ -492,8 +496,23 @@ class Registry:
         view = self._view
         if view is None or epoch > self._epoch or view.rank_of(reporter) is None:
             return
-        if view.rank_of(suspect) is None or suspect in self._suspects:
-            return  # already gone (a report about an older epoch may still be news)
+        if view.rank_of(suspect) is None:
+            return  # already gone
+        if epoch == self._epoch and suspect != reporter:
+            reporters = self._reports.setdefault(suspect, set())
+            reporters.add(reporter)
+            if 2 * len(reporters) > view.size - 1:
+                # Most of the group lost its links to it: cut off from the group, even if
+                # it still reaches the registry (the data path is what it is for).
+                self._remove(
+                    [suspect],
+                    [],
+                    f"member {suspect} is cut off from the group ({len(reporters)} of "
+                    f"{view.size - 1} members lost their links to it)",
+                )
+                return
+        if suspect in self._suspects:
+            return  # being checked (a report about an older epoch may still be news)
         self._suspects.add(suspect)
         self._spawn(self._check_suspect(suspect, self._epoch, reporter))
 
@@ -594,6 +613,7 @@ class Registry:
         )
         self.adopted += 1 if previous is not None else 0
         self._view, self._epoch = view, view.epoch
+        self._reports.clear()
         self._proposal = None  # answers to a proposal refer to an epoch that is over
         self._change = Change(
             previous=previous.epoch if previous else view.epoch,
