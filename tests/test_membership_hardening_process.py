@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_process import DSML, HEARTBEATS, ROOT, WORLD, cluster, dsml_status
+from tests.test_faults_process import (
+    DSML,
+    HEARTBEATS,
+    ROOT,
+    WORLD,
+    Event,
+    Run,
+    Worker,
+    cluster,
+    dsml_status,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -165,3 +175,123 @@ def test_status_errors_go_to_stderr_and_json_carries_an_error_key(tmp_path: Path
     assert as_json.returncode == 1
     assert "no registry answered" in json.loads(as_json.stdout)["error"]
     assert "no registry answered" in as_json.stderr
+
+
+# -- graceful leaves and elastic runs ---------------------------------------------------
+
+ELASTIC = ROOT / "tests" / "scripts" / "elastic_train.py"
+LOOP_SCRIPT = ROOT / "tests" / "scripts" / "loop_all_reduce.py"
+
+
+def start_scripts(run: Run, script: Path, *options: str) -> None:
+    """Start WORLD processes of `script` against run's registry (as Run.start_workers)."""
+    for index in range(WORLD):
+        stderr = run.tmp / f"worker{index}.err"
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "--registry", run.address, "--world-size",
+             str(WORLD), *options],
+            stdout=subprocess.PIPE,
+            stderr=stderr.open("w"),
+            text=True,
+            cwd=ROOT,
+        )  # fmt: skip
+        run.workers.append(Worker(index, proc, stderr, run))
+
+
+@pytest.mark.timeout(90)
+def test_a_graceful_leave_fails_at_most_one_call_per_rank_the_same_on_every_rank(tmp_path):
+    """SIGINT to one worker: it closes its communicator. Every survivor fails at most one
+    call, the same one on every survivor, with a MemberLeftError; the calls after it run
+    exactly over the three survivors."""
+    with cluster(tmp_path) as run:
+        run.start_registry(*HEARTBEATS)
+        run.start_workers("--pause", "0.01", "--mib", "1")
+        run.wait_oks(5)
+        leaver, survivors = run.workers[0], run.workers[1:]
+        leaver.signal(signal.SIGINT)
+        left_at = time.time()
+        run.wait(lambda: leaver.proc.poll() is not None, "the leaver exited")
+
+        def regrouped(w: Worker) -> bool:
+            return any(e["size"] == WORLD - 1 for e in w.of("ok", left_at))
+
+        run.wait(lambda: all(regrouped(w) for w in survivors), "the survivors regrouped")
+        run.wait_oks(3, survivors, after=time.time())
+        failed = {w.index: w.of("changed") + w.of("lost") for w in survivors}
+        run.finish(survivors)
+        run.check_exact()
+        counts = [len(f) for f in failed.values()]
+        print(f"\nfailed calls per survivor after a leave: {counts}; {failed}")
+        assert all(n <= 1 for n in counts), failed
+        assert len(set(counts)) == 1, failed
+        if counts[0]:
+            assert len({f[0]["i"] for f in failed.values()}) == 1, failed
+            assert {f[0].get("type") for f in failed.values()} == {"MemberLeftError"}, failed
+        for w in survivors:
+            after = [e for e in w.of("ok", left_at) if e["size"] == WORLD - 1]
+            assert after
+            assert all(e["exact"] for e in after)
+
+
+def final_states(workers: list[Worker]) -> list[Event]:
+    return [w.of("done")[0] for w in workers]
+
+
+@pytest.mark.timeout(120)
+def test_elastic_survivors_with_the_registry_down_and_rank_0_killed_finish_exactly(tmp_path):
+    """Issue case 1: the registry is killed, then rank 0 (kill -9). The three survivors
+    agree on a view without the registry, elastic.run restores and syncs from the new
+    rank 0, and all finish with identical state, equal to the fault-free reference."""
+    with cluster(tmp_path) as run:
+        run.start_registry(*HEARTBEATS)
+        start_scripts(run, ELASTIC, "--steps", "250", "--pause", "0.01", "--view-timeout", "20")
+        run.wait(
+            lambda: all(any(e["step"] >= 30 for e in w.of("step")) for w in run.workers),
+            "30 steps on every worker",
+        )
+        rank0 = next(w for w in run.workers if w.of("joined")[0]["rank"] == 0)
+        survivors = [w for w in run.workers if w is not rank0]
+        run.kill_registry()
+        rank0.proc.kill()
+        killed = time.time()
+        run.wait(lambda: all(w.proc.poll() is not None for w in survivors), "survivors ended", 90)
+        for w in survivors:
+            assert w.proc.returncode == 0, run.logs()
+        done = final_states(survivors)
+        restarts = [w.of("restart") for w in survivors]
+        print(f"\nafter kill of rank 0 with the registry down: restarts {restarts}; done {done}")
+        assert len({d["digest"] for d in done}) == 1, done
+        assert all(d["exact"] and d["step"] == 250 and d["size"] == WORLD - 1 for d in done)
+        first_new = [min(e["t"] for e in w.of("step", killed) if e["size"] == WORLD - 1)
+                     for w in survivors]  # fmt: skip
+        print(f"survivors stepping in the new view {[round(t - killed, 2) for t in first_new]} s "
+              "after the kill")  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_elastic_run_restores_and_goes_on_after_a_graceful_leave(tmp_path):
+    """Issue cases 2 and 6: SIGINT to one elastic worker; the others restart at most once,
+    on the same step, with MemberLeftError, and finish with identical, exact state."""
+    with cluster(tmp_path) as run:
+        run.start_registry(*HEARTBEATS)
+        start_scripts(run, ELASTIC, "--steps", "200", "--pause", "0.01")
+        run.wait(
+            lambda: all(any(e["step"] >= 30 for e in w.of("step")) for w in run.workers),
+            "30 steps on every worker",
+        )
+        leaver, survivors = run.workers[-1], run.workers[:-1]
+        leaver.signal(signal.SIGINT)
+        run.wait(lambda: all(w.proc.poll() is not None for w in run.workers), "all ended", 90)
+        assert leaver.proc.returncode == 130, leaver.log()
+        for w in survivors:
+            assert w.proc.returncode == 0, run.logs()
+        done = final_states(survivors)
+        restarts = [w.of("restart") for w in survivors]
+        shown = [[(r["step"], r["type"]) for r in x] for x in restarts]
+        print(f"\nrestarts after a leave: {shown}")
+        assert len({d["digest"] for d in done}) == 1, done
+        assert all(d["exact"] and d["step"] == 200 and d["size"] == WORLD - 1 for d in done)
+        assert all(len(r) <= 1 for r in restarts), restarts
+        assert len({len(r) for r in restarts}) == 1, restarts
+        for r in restarts:
+            assert all(x["type"] == "MemberLeftError" for x in r), restarts
