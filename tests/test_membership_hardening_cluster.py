@@ -199,9 +199,10 @@ async def test_a_foreign_envelope_of_the_next_epoch_does_not_break_the_next_view
             env = Envelope(Kind.CHUNK, target.epoch + 1, 1, 1, 0, 0, fp)
             sock.send_multipart([encode(env), bytes(128)])
             await eventually(
-                lambda: target.statistics().get("dropped_foreign", 0)
-                + target.statistics()["dropped"]
-                >= 1,
+                lambda: (
+                    target.statistics().get("dropped_foreign", 0) + target.statistics()["dropped"]
+                    >= 1
+                ),
                 "the foreign envelope dropped",
             )
             await crash(cluster[3])
