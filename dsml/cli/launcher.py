@@ -18,6 +18,7 @@ import collections
 import contextlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,25 +36,36 @@ _CONSEQUENCE_GRACE_S = 2.0  # how long a rank that caused others' failure has to
 
 
 def rank_environment(
-    base: Mapping[str, str], rank: int, world_size: int, registry: str, device: str | None = None
+    base: Mapping[str, str],
+    rank: int,
+    world_size: int,
+    registry: str,
+    device: str | None = None,
+    *,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    node_rank: int = 0,
 ) -> dict[str, str]:
     """The environment of one rank: DSML_* for dsml.init, and what torchrun users expect.
 
     With `device` ("cpu", "cuda" or "cuda:N") every rank gets DSML_DEVICE; with "cuda",
-    `dsml.init()` then picks GPU LOCAL_RANK % gpu count, so rank i gets GPU i.
+    `dsml.init()` then picks GPU LOCAL_RANK % gpu count, so local rank i gets GPU i.
     """
     env = dict(base)
     if device is not None:
         env["DSML_DEVICE"] = device
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = world_size if local_world_size is None else local_world_size
     env.update(
         DSML_REGISTRY=registry,
         DSML_WORLD_SIZE=str(world_size),
         DSML_RANK=str(rank),
-        DSML_LOCAL_RANK=str(rank),
+        DSML_LOCAL_RANK=str(local_rank),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size),
+        GROUP_RANK=str(node_rank),
         PYTHONUNBUFFERED="1",
     )
     if not env.get("OMP_NUM_THREADS"):
@@ -70,6 +82,8 @@ class Failure:
     rank: int
     code: int
     tail: list[str] = field(default_factory=list)
+    node: int | None = None  # with --nnodes: the node it ran on
+    host: str = ""
 
     @property
     def consequence(self) -> bool:
@@ -78,8 +92,9 @@ class Failure:
         return last.startswith(tuple(f"dsml.errors.{name}" for name in _CONSEQUENCES))
 
     def report(self) -> str:
+        where = f" on node {self.node} ({self.host})" if self.node is not None else ""
         lines = [
-            f"dsml run: rank {self.rank} failed ({describe_exit(self.code)}); "
+            f"dsml run: rank {self.rank}{where} failed ({describe_exit(self.code)}); "
             "the other ranks were stopped."
         ]
         if self.tail:
@@ -104,11 +119,17 @@ class Launch:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         device: str | None = None,
+        ranks: Sequence[int] | None = None,
+        node: int | None = None,
+        on_failure: Callable[[Failure], None] | None = None,
     ) -> None:
         self.argv = list(argv)
         self.device = device
         self.world_size = world_size
         self.registry = registry
+        self.ranks = list(range(world_size) if ranks is None else ranks)  # started here
+        self.node = node  # with --nnodes: this launcher's node rank
+        self.on_failure = on_failure  # told of each failure of a rank started here
         self.failures: list[Failure] = []
         self.interrupted = 0
         self._env = dict(os.environ if env is None else env)
@@ -119,7 +140,9 @@ class Launch:
         self._procs: list[asyncio.subprocess.Process] = []
         self._signalled: set[int] = set()  # ranks this launcher sent a signal to
         self._output_closed = False
-        self._tails = [collections.deque[str](maxlen=_TAIL_LINES) for _ in range(world_size)]
+        self._tails = [collections.deque[str](maxlen=_TAIL_LINES) for _ in self.ranks]
+        self._cause_known = asyncio.Event()  # a root cause (not a consequence) is known
+        self._remote_stop: asyncio.Task[None] | None = None
 
     async def run(self) -> int:
         """Start every rank, wait for all to end; returns the exit code for the launcher."""
@@ -127,17 +150,30 @@ class Launch:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            for rank in range(self.world_size):
-                self._procs.append(await self._spawn(rank))
-            await asyncio.gather(*(self._supervise(r, p) for r, p in enumerate(self._procs)))
+            for index in range(len(self.ranks)):
+                self._procs.append(await self._spawn(index))
+            await asyncio.gather(*(self._supervise(i, p) for i, p in enumerate(self._procs)))
+            if self._remote_stop is not None:
+                await self._remote_stop
         finally:
+            if self._remote_stop is not None:
+                self._remote_stop.cancel()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             self._kill_all(signal.SIGKILL)
         return self._exit_code()
 
-    async def _spawn(self, rank: int) -> asyncio.subprocess.Process:
-        env = rank_environment(self._env, rank, self.world_size, self.registry, self.device)
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        env = rank_environment(
+            self._env,
+            self.ranks[index],
+            self.world_size,
+            self.registry,
+            self.device,
+            local_rank=index,
+            local_world_size=len(self.ranks),
+            node_rank=self.node or 0,
+        )
         return await asyncio.create_subprocess_exec(
             *self.argv,
             env=env,
@@ -148,20 +184,49 @@ class Launch:
             preexec_fn=die_with_parent,
         )
 
-    async def _supervise(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+    async def _supervise(self, index: int, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         assert proc.stderr is not None
         await asyncio.gather(
-            self._pump(rank, "stdout", proc.stdout), self._pump(rank, "stderr", proc.stderr)
+            self._pump(index, "stdout", proc.stdout), self._pump(index, "stderr", proc.stderr)
         )
         code = await proc.wait()
-        if code != 0 and not self.interrupted and rank not in self._signalled:
-            failure = Failure(rank, code, list(self._tails[rank]))
-            self.failures.append(failure)
+        if code != 0 and not self.interrupted and index not in self._signalled:
+            host = socket.gethostname() if self.node is not None else ""
+            failure = Failure(self.ranks[index], code, list(self._tails[index]), self.node, host)
+            if self.on_failure is not None:
+                self.on_failure(failure)
+            self._add_failure(failure)
             if len(self.failures) == 1:
                 if failure.consequence:  # the rank that caused it is probably exiting too
                     await self._wait_others(_CONSEQUENCE_GRACE_S)
+                    if self.node is not None:  # ... or it ran on another node
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
+                                await self._cause_known.wait()
                 await self._stop_others()
+
+    def _add_failure(self, failure: Failure) -> None:
+        self.failures.append(failure)
+        if not failure.consequence:
+            self._cause_known.set()
+
+    def add_remote_failure(self, failure: Failure) -> None:
+        """Another node's launcher reported a failed rank: stop the ranks started here
+        (after a moment for a local root cause, when the report is only a consequence)."""
+        first = not self.failures
+        self._add_failure(failure)
+        running = any(p.returncode is None for p in self._procs)
+        if first and running and self._remote_stop is None:
+            loop = asyncio.get_running_loop()
+            self._remote_stop = loop.create_task(self._stop_after(failure))
+
+    async def _stop_after(self, failure: Failure) -> None:
+        if failure.consequence:  # the rank that caused it may be one of ours, exiting now
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
+                    await self._cause_known.wait()
+        await self._stop_others()
 
     @property
     def failure(self) -> Failure | None:
@@ -169,10 +234,11 @@ class Launch:
         causes = [f for f in self.failures if not f.consequence] or self.failures
         return causes[0] if causes else None
 
-    async def _pump(self, rank: int, name: str, stream: asyncio.StreamReader) -> None:
+    async def _pump(self, index: int, name: str, stream: asyncio.StreamReader) -> None:
+        rank = self.ranks[index]
         async for text in _lines(stream):
             if name == "stderr":
-                self._tails[rank].append(text)
+                self._tails[index].append(text)
             if self._on_line is not None:
                 self._on_line(rank, name, text)
             elif not self._output_closed:
@@ -209,11 +275,15 @@ class Launch:
 
     def _kill_all(self, sig: signal.Signals) -> None:
         """Signal every running rank's process group (a wrapper's children too)."""
-        for rank, proc in enumerate(self._procs):
+        for index, proc in enumerate(self._procs):
             if proc.returncode is None:
-                self._signalled.add(rank)
+                self._signalled.add(index)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)  # each rank leads its own session and group
+
+    def exit_code(self) -> int:
+        """The launcher's exit code (again after late reports from other nodes)."""
+        return self._exit_code()
 
     def _exit_code(self) -> int:
         if self.failure is not None:

@@ -4,6 +4,12 @@ Without `--registry` an embedded registry runs inside the launcher, so one comma
 whole job. Each rank gets DSML_REGISTRY, DSML_WORLD_SIZE and DSML_RANK (so `dsml.init()`
 needs no arguments) and the variables torchrun users rely on. `--device cuda` adds
 DSML_DEVICE, so rank i's `dsml.init()` takes GPU i modulo the GPU count.
+
+Across hosts, as torchrun does: `dsml run -n K --nnodes N --node-rank I --registry
+tcp://HOST:PORT script.py` on each of N hosts. Node 0's launcher serves the registry at
+HOST:PORT and the launchers' link at PORT+1 (`nodes.py`); the world size is N*K and rank
+I*K+local. With `--curve-keys DIR` the registry, the link and every rank's sockets use
+CURVE with the keys of DIR.
 """
 
 from __future__ import annotations
@@ -11,14 +17,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 from typing import Any
 
 from ..collectives.devices import parse_device, resolve_device
-from ..membership import open_registry
+from ..config import RegistryConfig
+from ..errors import ConfigError, DsmlError
+from ..membership import Registry, open_registry, query_status
+from ..transport import Curve
+from ..transport.addresses import is_local_address, resolve_host
 from .launcher import Launch
+from .nodes import NodeBoard, NodeLink, NodeShape, link_address
 
-__all__ = ["add_parser", "launch"]
+__all__ = ["add_parser", "launch", "launch_node"]
+
+_NODE_WAIT_S = 300.0  # how long a node waits for node 0's launcher to answer
 
 
 def add_parser(sub: Any) -> None:
@@ -27,8 +41,23 @@ def add_parser(sub: Any) -> None:
         help="start N ranks of a Python script",
         description="Start N processes running SCRIPT, each a rank of one group.",
     )
-    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
-    parser.add_argument("--registry", help="an existing registry (default: start one here)")
+    parser.add_argument("-n", "--nprocs", type=int, required=True, help="ranks (per node)")
+    parser.add_argument(
+        "--registry",
+        help="an existing registry (default: start one here); with --nnodes, where node 0 "
+        "serves it (tcp://HOST:PORT, HOST being node 0)",
+    )
+    parser.add_argument(
+        "--nnodes", type=int, help="hosts taking part, each running this command (default 1)"
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1 (default 0)"
+    )
+    parser.add_argument(
+        "--curve-keys",
+        help="a `dsml keys generate` folder: CURVE for the registry, the launchers' link and "
+        "every rank (sets DSML_CURVE_KEYS)",
+    )
     parser.add_argument(
         "--grace",
         type=float,
@@ -63,7 +92,19 @@ def _main(args: argparse.Namespace) -> int:
         print("dsml run: give a SCRIPT (or -m MODULE)", file=sys.stderr)
         return 2
     device = check_device(args.device)
-    return asyncio.run(launch(argv, args.nprocs, args.registry, grace_s=args.grace, device=device))
+    options: dict[str, Any] = {"grace_s": args.grace, "device": device}
+    if args.curve_keys:
+        options["curve_keys"] = args.curve_keys
+    if args.nnodes is None:
+        if args.node_rank != 0:
+            print("dsml run: --node-rank needs --nnodes", file=sys.stderr)
+            return 2
+        return asyncio.run(launch(argv, args.nprocs, args.registry, **options))
+    if args.registry is None:
+        print("dsml run: --nnodes needs --registry tcp://HOST:PORT (node 0)", file=sys.stderr)
+        return 2
+    shape = NodeShape(args.nnodes, args.nprocs, args.node_rank)
+    return asyncio.run(launch_node(argv, shape, args.registry, **options))
 
 
 def check_device(text: str | None) -> str | None:
@@ -75,21 +116,127 @@ def check_device(text: str | None) -> str | None:
     return str(spec)
 
 
+def _curve(curve_keys: str | None) -> Curve | None:
+    return Curve.load(curve_keys, role="server") if curve_keys else None
+
+
+def _rank_env(curve_keys: str | None) -> dict[str, str] | None:
+    if not curve_keys:
+        return None
+    return dict(os.environ) | {"DSML_CURVE_KEYS": curve_keys}
+
+
 async def launch(
     argv: list[str],
     world_size: int,
     registry: str | None,
     *,
     grace_s: float = 5.0,
+    curve_keys: str | None = None,
     **options: Any,
 ) -> int:
     """Run argv as world_size ranks; an embedded registry when none is given."""
+    curve = _curve(curve_keys)
     async with contextlib.AsyncExitStack() as stack:
         if registry is None:
-            embedded = await stack.enter_async_context(open_registry())
+            config = RegistryConfig(curve=curve)
+            embedded = await stack.enter_async_context(open_registry(config=config))
             registry = embedded.address
-        launch = Launch(argv, world_size, registry, grace_s=grace_s, **options)
+        else:
+            await check_running_group(registry, world_size, curve)
+        launch = Launch(
+            argv, world_size, registry, grace_s=grace_s, env=_rank_env(curve_keys), **options
+        )
         code = await launch.run()
         if launch.failure is not None:
             print(launch.failure.report(), file=sys.stderr, flush=True)
         return code
+
+
+async def check_running_group(registry: str, world_size: int, curve: Any = None) -> None:
+    """Refuse to start ranks for a group of another size than the registry's.
+
+    Raises:
+        ConfigError: a group of another world size is running or forming there.
+    """
+    try:
+        status = await query_status(registry, registry_timeout=2.0, curve=curve)
+    except DsmlError:
+        return  # not up yet: the ranks wait for it and say so if it never comes
+    size = status.get("world_size")
+    if type(size) is int and size and size != world_size:
+        state = "running" if status.get("formed") else "forming"
+        raise ConfigError(
+            f"the registry at {registry} has a group of world size {size} "
+            f"{state}, but this launch would start ranks of a group of {world_size}: start "
+            "every launch of one job with the same -n (and --nnodes)"
+        )
+
+
+async def launch_node(
+    argv: list[str],
+    shape: NodeShape,
+    registry: str,
+    *,
+    grace_s: float = 5.0,
+    curve_keys: str | None = None,
+    **options: Any,
+) -> int:
+    """One node's part of a multi-node run (see the module docstring)."""
+    curve = _curve(curve_keys)
+    link = link_address(registry)
+    launch = Launch(
+        argv,
+        shape.world_size,
+        registry,
+        grace_s=grace_s,
+        ranks=shape.ranks,
+        node=shape.node_rank,
+        env=_rank_env(curve_keys),
+        **options,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        if shape.node_rank == 0:
+            served = await stack.enter_async_context(_serve_registry(registry, curve))
+            board = NodeBoard(shape, launch.add_remote_failure).open(
+                node_zero_bind(link), curve=curve
+            )
+            stack.push_async_callback(board.aclose)
+            launch.on_failure = board.report
+            await launch.run()
+            await board.wait_nodes_done(lambda: _group_gone(served), grace_s)
+        else:
+            node = await NodeLink(shape, launch.add_remote_failure).open(
+                link, timeout_s=_NODE_WAIT_S, curve=curve
+            )
+            stack.push_async_callback(node.aclose)
+            launch.on_failure = node.report
+            await node.done(await launch.run())
+            await asyncio.sleep(0.1)  # a last relayed report may be on its way
+        if launch.failure is not None:
+            print(launch.failure.report(), file=sys.stderr, flush=True)
+        return launch.exit_code()
+
+
+def _group_gone(registry: Registry) -> bool:
+    status = registry.status()
+    return not status["members"] and not status["joining"]
+
+
+def node_zero_bind(address: str) -> str:
+    """Node 0 binds the address it was told it serves: HOST must be this machine."""
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    ip = resolve_host(host, "--registry")
+    if not is_local_address(ip):
+        raise ConfigError(
+            f"node 0 serves the registry at --registry {address}, but {host} "
+            f"({ip}) is not an address of this host: run --node-rank 0 on {host}"
+        )
+    return f"tcp://{ip}:{port}"
+
+
+@contextlib.asynccontextmanager
+async def _serve_registry(address: str, curve: Any) -> Any:
+    config = RegistryConfig(address=node_zero_bind(address), curve=curve)
+    async with open_registry(config=config) as registry:
+        yield registry

@@ -16,26 +16,28 @@ from collections.abc import Mapping
 
 from .._opener import Opener
 from ..collectives.devices import DeviceSpec, parse_device, resolve_device
-from ..config import CommConfig, env_float, env_int, environ
-from ..errors import ConfigError
+from ..config import CommConfig, env_float, environ
+from ..errors import DsmlError
+from ..launch import Rendezvous, choose_bind, find_registry, resolve_rendezvous
+from ..launch.join import running_world_size
 from ..membership import Member, RegistryClient
-from ..transport import check_address
+from ..transport import Curve
 from ..transport.addresses import advertised
 from .communicator import Communicator
-from .mesh import Mesh
+from .links import PeerLinks
+from .tasks import TaskOwner
 
 __all__ = ["init"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _JoinArgs:
-    registry: str
-    world_size: int
-    rank: int | None
+    plan: Rendezvous  # registry, world size, rank, local rank, who serves the registry
     name: str
     config: CommConfig
     device: DeviceSpec
-    local_rank: int | None  # picks the GPU of device="cuda" (else the rank does)
+    bind: str | None  # CommConfig.bind or DSML_BIND when given; else chosen at join
+    ifname: str | None  # DSML_IFNAME
 
 
 def _resolve(
@@ -48,61 +50,77 @@ def _resolve(
     device: str | None,
     env: Mapping[str, str],
 ) -> _JoinArgs:
-    registry = address or env.get("DSML_REGISTRY", "").strip() or None
-    if registry is None:
-        raise ConfigError(
-            "no registry address: call dsml.init('tcp://host:port', world_size=N), set "
-            "DSML_REGISTRY, or start the script with `dsml run -n N script.py`"
-        )
-    check_address(registry, "registry address")
-    size = world_size if world_size is not None else env_int(env, "DSML_WORLD_SIZE")
-    if type(size) is not int or size < 1:
-        raise ConfigError(
-            f"world_size must be a positive integer (argument or DSML_WORLD_SIZE), got {size!r}"
-        )
-    rank = rank if rank is not None else env_int(env, "DSML_RANK")
-    if rank is not None and not 0 <= rank < size:
-        raise ConfigError(f"rank={rank} is out of range for world_size={size}")
+    plan = resolve_rendezvous(address, world_size, rank, env)
     spec = parse_device(device if device is not None else env.get("DSML_DEVICE") or None)
-    local_rank = env_int(env, "LOCAL_RANK")
-    local_rank = local_rank if local_rank is not None else env_int(env, "DSML_LOCAL_RANK")
     if spec.is_cuda:  # fail before joining: cupy missing, no GPU, no such GPU
-        resolve_device(spec, local_rank if local_rank is not None else rank)
+        resolve_device(spec, plan.local_rank if plan.local_rank is not None else plan.rank)
     config = config or CommConfig()
     timeout = timeout if timeout is not None else env_float(env, "DSML_TIMEOUT")
     if timeout is not None:
         config = dataclasses.replace(config, timeout=timeout)
-    bind = env.get("DSML_BIND", "").strip()
-    if bind and config.bind == CommConfig().bind:
-        config = dataclasses.replace(config, bind=bind)
+    keys = env.get("DSML_CURVE_KEYS", "").strip()
+    if keys and config.curve is None:
+        config = dataclasses.replace(config, curve=Curve.load(keys, role="server"))
+    bind = config.bind if config.bind != CommConfig().bind else None
+    bind = bind or env.get("DSML_BIND", "").strip() or None
+    ifname = env.get("DSML_IFNAME", "").strip() or None
     name = name if name is not None else env.get("DSML_NAME", "")
-    return _JoinArgs(registry, size, rank, name, config, spec, local_rank)
+    return _JoinArgs(plan, name, config, spec, bind, ifname)
 
 
 async def _join(args: _JoinArgs) -> Communicator:
+    timeout_s = args.config.join_timeout
+    address, hosted = await find_registry(
+        args.plan, ifname=args.ifname, curve=args.config.curve, timeout_s=timeout_s
+    )
+    try:
+        comm = await _join_group(args, address)
+    except BaseException:
+        if hosted is not None:
+            await hosted.aclose()
+        raise
+    if hosted is not None:
+        comm.on_close(hosted.aclose)  # the group's registry lives as long as rank 0's comm
+    return comm
+
+
+async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
     loop = asyncio.get_running_loop()
+    config = dataclasses.replace(
+        args.config, bind=choose_bind(args.bind, args.ifname, registry_address)
+    )
+    if args.plan.rank0_serves:  # rank 0 may still be starting: its join request waits
+        patience = max(config.registry_timeout, config.join_timeout)
+        config = dataclasses.replace(config, registry_timeout=patience)
     member_id = secrets.token_hex(8)
-    mesh = Mesh(member_id, args.config)
-    address = advertised(mesh.bind(), toward=args.registry)
+    tasks = TaskOwner()
+    links = PeerLinks(member_id, config, tasks)  # constructing does no I/O ...
+    address = advertised(links.bind(), toward=registry_address)  # ... binding does
     member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
-    registry = RegistryClient(args.registry, member, args.config)
+    registry = RegistryClient(registry_address, member, config)
     try:
         registry.open()
-        view = await registry.join(args.world_size, args.rank)
-        mesh.set_view(view)
-        device = _place(args, mesh.rank)
-    except BaseException:
-        with contextlib.suppress(Exception):
+        size = args.plan.world_size
+        if size is None:
+            size = await running_world_size(registry)
+        view = await registry.join(size, args.plan.rank)
+        rank = view.rank_of(member_id)
+        assert rank is not None, "the registry's view must contain the member that joined"
+        comm = Communicator(links, tasks, registry, config, loop, _place(args, rank))
+        comm.open(view)  # installs the view, listens to the registry, starts heartbeats
+    except BaseException:  # clean up, then re-raise
+        with contextlib.suppress(DsmlError):
             await registry.leave()  # the registry must not keep a member that is not coming
         await registry.aclose()
-        await mesh.aclose()
+        await tasks.cancel_all()
+        await links.aclose()
         raise
-    return Communicator(mesh, registry, args.config, loop, device)
+    return comm
 
 
 def _place(args: _JoinArgs, rank: int) -> str:
     """The communicator's device; a CUDA one becomes this thread's current device."""
-    local_rank = args.local_rank if args.local_rank is not None else rank
+    local_rank = args.plan.local_rank if args.plan.local_rank is not None else rank
     device = resolve_device(args.device, local_rank)
     if device != "cpu":
         from ..collectives import cuda  # cupy only when CUDA is asked for
@@ -124,16 +142,26 @@ def init(
     """Join the group of the registry at `address` and return this worker's communicator.
 
     Args:
-        address: the registry (default: `DSML_REGISTRY`, set by `dsml run`).
-        world_size: members the group needs before it forms (default: `DSML_WORLD_SIZE`).
-        rank: ask for this rank (default: `DSML_RANK` if set, else the join order).
+        address: the registry (default: `DSML_REGISTRY`, set by `dsml run`; else the
+            launcher's rendezvous, where its rank-0 process serves the registry: torchrun,
+            srun, mpirun with MASTER_ADDR/MASTER_PORT; see `dsml.launch`).
+        world_size: members the group needs before it forms (default: `DSML_WORLD_SIZE`,
+            else the launcher's). Without one, join the group running at `address` (at
+            its next collective boundary).
+        rank: ask for this rank (default: `DSML_RANK`, else the launcher's rank, else the
+            join order).
         name: a label shown by status tools.
         timeout: default seconds a collective may take (default: `DSML_TIMEOUT`, else 120).
         config: all other settings (`CommConfig`).
-        device: "cpu", "cuda:N", or "cuda" for GPU `LOCAL_RANK % gpu count` (LOCAL_RANK,
-            else DSML_LOCAL_RANK, else the rank); default `DSML_DEVICE`, else "cpu". A
+        device: "cpu", "cuda:N", or "cuda" for GPU `local rank % gpu count` (DSML_LOCAL_RANK,
+            else the launcher's local rank, else the rank); default `DSML_DEVICE`, else "cpu". A
             CUDA device becomes the calling thread's current device, and arrays made
             without an input (`recv`, `scatter` on non-roots) are cupy arrays there.
+
+    Each setting is resolved once: arguments > `DSML_*` variables > the launcher's
+    variables. The worker binds `config.bind` or `DSML_BIND` if given, else the interface
+    `DSML_IFNAME` names, else the interface that routes to a registry on another host,
+    else loopback.
 
     Use `async with dsml.init(...) as comm:` or `comm = await dsml.init(...)` followed by
     `await comm.aclose()`.

@@ -1,7 +1,8 @@
 """Where a call's data lives: cupy inputs, CUDA results, comm.device (communicator layer).
 
-The planner plans every call as if for a numpy array. For a cupy input, `Placement.wrap`
-turns that into a plan for the device array, in one of two ways (`CommConfig.gpu_reduce`):
+The planner plans every call as if for a numpy array. For a cupy input, `Placement.place`
+gives the array to plan for and an `OnDevice` that adapts the plan to the device array, in
+one of two ways (`CommConfig.gpu_reduce`):
 
 * "host" (default): the array is staged to a pinned numpy twin chunk by chunk (copies
   queued at call time, after the caller's stream), the numpy algorithm runs on the twin,
@@ -29,7 +30,7 @@ from ..collectives.staging import Download, StagedCopies, upload
 from .call import Call
 from .plans import Plan
 
-__all__ = ["Placement", "staged"]
+__all__ = ["OnDevice", "Placement", "staged"]
 
 Array = Any
 GPU_REDUCE = ("host", "device")
@@ -55,50 +56,22 @@ class Placement:
 
         return cuda.caller_stream(x)
 
-    def wrap(
-        self,
-        x: Array,
-        make: Callable[[Array], Plan],
-        caller: Any,
-        *,
-        needs_input: bool = True,
-        writes_back: bool = True,
-    ) -> Plan:
-        """make(x) for numpy arrays; for cupy arrays, make's plan placed on the device."""
+    def place(self, x: Array, caller: Any) -> tuple[Array, OnDevice | None]:
+        """The array to plan the call for, and how to run that plan for x (None: x is
+        a numpy array and the plan runs as it is).
+
+        With gpu_reduce="host" the plan is made for a pinned numpy twin of the cupy array
+        x; with "device", for x itself (`CupyBackend`).
+        """
         if not is_cupy_array(x):
-            return make(x)
-        from ..collectives import cuda
+            return x, None
+        from ..collectives import cuda  # only once a cupy array is seen
 
         dtype_name(x.dtype)  # fail on an unsupported dtype before allocating anything
-        device = cuda.device_index(x)
         if self._gpu_reduce == "device":
-            plan = make(x)
-            cuda.after_caller(x, caller)
-
-            async def on_device(call: Call) -> Any:
-                result = await plan.body(call)
-                await cuda.finish(device)
-                return result
-
-            return Plan(plan.fingerprint, on_device)
+            return x, OnDevice(x, caller, None, self._chunk_bytes)
         host = cuda.pinned_empty(x.size, x.dtype).reshape(x.shape)
-        plan = make(host)
-        copies = cuda.CudaCopies(x, host.reshape(-1), caller)
-        count = max(1, self._chunk_bytes // x.dtype.itemsize)  # elements per staged chunk
-
-        async def new_array(result: np.ndarray[Any, Any]) -> Any:
-            return await cuda.to_device(result, device)
-
-        return staged(
-            plan,
-            x,
-            host,
-            copies,
-            chunk=count,
-            needs_input=needs_input,
-            writes_back=writes_back,
-            new_array=new_array,
-        )
+        return host, OnDevice(x, caller, host, self._chunk_bytes)
 
     async def on_device(self, result: Array) -> Array:
         """A result of a call without input, moved to comm.device."""
@@ -110,6 +83,49 @@ class Placement:
 
     def __repr__(self) -> str:
         return f"<Placement device={self.device} gpu_reduce={self._gpu_reduce}>"
+
+
+class OnDevice:
+    """Runs a plan made for a cupy array's stand-in on that array's behalf."""
+
+    def __init__(
+        self, x: Array, caller: Any, host: np.ndarray[Any, Any] | None, chunk_bytes: int
+    ) -> None:
+        self._x = x
+        self._caller = caller
+        self._host = host  # the pinned twin ("host"), or None: the plan uses x ("device")
+        self._chunk_bytes = chunk_bytes
+
+    def adapt(self, plan: Plan, *, needs_input: bool = True, writes_back: bool = True) -> Plan:
+        """`plan` (made for `Placement.place`'s array) as a plan for the device array."""
+        from ..collectives import cuda
+
+        x, host = self._x, self._host
+        device = cuda.device_index(x)
+        if host is None:
+            cuda.after_caller(x, self._caller)
+
+            async def on_device(call: Call) -> Any:
+                result = await plan.body(call)
+                await cuda.finish(device)
+                return result
+
+            return Plan(plan.fingerprint, on_device)
+        copies = cuda.CudaCopies(x, host.reshape(-1), self._caller)
+
+        async def new_array(result: np.ndarray[Any, Any]) -> Any:
+            return await cuda.to_device(result, device)
+
+        return staged(
+            plan,
+            x,
+            host,
+            copies,
+            chunk=max(1, self._chunk_bytes // x.dtype.itemsize),  # elements per staged chunk
+            needs_input=needs_input,
+            writes_back=writes_back,
+            new_array=new_array,
+        )
 
 
 def staged(

@@ -52,3 +52,10 @@ class Kind(enum.IntEnum):
     JOB_OUTPUT = 33  # worker: "the job printed this" (stream, text)
     JOB_RESULT = 34  # worker: "the job ended" (ok + value frames, or error + traceback)
     JOB_CANCEL = 35  # client: "stop that job"
+
+    # -- launch: `dsml run --nnodes` launcher <-> node 0's launcher ---------------------------
+    LAUNCH_HELLO = 40  # launcher: "I start ranks of node i of n, -n k each" (its shape)
+    LAUNCH_WELCOME = 41  # node 0: "your shape is this job's: start your ranks"
+    LAUNCH_REFUSED = 42  # node 0: "you do not belong to this job" (reason)
+    LAUNCH_FAILED = 43  # launcher: "rank r failed" (node, host, exit code, last lines)
+    LAUNCH_DONE = 44  # launcher: "all my ranks ended" (exit code)

@@ -1,0 +1,303 @@
+"""The link between the launchers of one multi-node `dsml run` (cli layer).
+
+`dsml run -n K --nnodes N --node-rank I --registry tcp://HOST:PORT` starts K ranks on each
+of N hosts. Node 0's launcher serves the group's registry at HOST:PORT and this link at
+HOST:PORT+1 (`link_address`). Every other launcher connects, says which node it is and
+its shape (LAUNCH_HELLO), and starts its ranks only once node 0 welcomed it: a launch
+whose --nnodes or -n disagree with node 0's (so its world size would), or whose node rank
+is already running, is refused with the reason, before any rank starts.
+
+When a rank fails, its launcher reports it (LAUNCH_FAILED: node, rank, exit code, last
+lines of its error output); node 0 passes every report on to all the other launchers, so
+each stops its ranks and prints the root cause. A launcher whose ranks all ended says so
+(LAUNCH_DONE); node 0 keeps the registry up until every node has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError, DsmlError, ProtocolError
+from ..transport import Channel, Endpoint
+from ..wire import Envelope, Fields, Kind
+from .launcher import Failure
+
+__all__ = ["NodeBoard", "NodeLink", "NodeShape", "link_address"]
+
+log = logging.getLogger("dsml.run")
+
+_MAX_MESSAGE_BYTES = 1 << 20
+_MAX_NODES = 1 << 14
+_TAIL_LINES = 64
+_DROPS_BEFORE_ANSWER = 5
+
+#: Called with each failure reported by another node's launcher.
+FailureSink = Callable[[Failure], None]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeShape:
+    """One launcher's part of a multi-node job."""
+
+    nnodes: int
+    nprocs: int  # ranks per node
+    node_rank: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nnodes <= _MAX_NODES:
+            raise ConfigError(f"--nnodes must be in 1..{_MAX_NODES}, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}"
+            )
+        if self.nprocs < 1:
+            raise ConfigError(f"-n must be at least 1, got {self.nprocs}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nprocs
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this node starts: node_rank * nprocs + local rank."""
+        start = self.node_rank * self.nprocs
+        return range(start, start + self.nprocs)
+
+    def describe(self) -> str:
+        return f"--nnodes {self.nnodes} -n {self.nprocs} (world size {self.world_size})"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"nnodes": self.nnodes, "nprocs": self.nprocs, "node_rank": self.node_rank}
+
+    @classmethod
+    def from_wire(cls, fields: Fields) -> NodeShape:
+        try:
+            return cls(
+                fields.get_int("nnodes", 1, _MAX_NODES),
+                fields.get_int("nprocs", 1, 1 << 16),
+                fields.get_int("node_rank", 0, _MAX_NODES),
+            )
+        except ConfigError as exc:
+            raise ProtocolError(str(exc)) from None
+
+
+def link_address(registry: str) -> str:
+    """The launchers' link: the registry's host at the registry's port + 1."""
+    host, _, port = registry[len("tcp://") :].rpartition(":")
+    if not registry.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ConfigError(
+            f"--nnodes needs --registry tcp://HOST:PORT with a fixed port (node 0 serves the "
+            f"registry there and the launchers' link at PORT+1), got {registry!r}"
+        )
+    return f"tcp://{host}:{int(port) + 1}"
+
+
+def _failure_body(failure: Failure) -> dict[str, Any]:
+    return {
+        "rank": failure.rank,
+        "code": failure.code,
+        "node": failure.node if failure.node is not None else -1,
+        "host": failure.host,
+        "tail": failure.tail[-_TAIL_LINES:],
+    }
+
+
+def _failure_from(body: Any) -> Failure:
+    fields = Fields(body, "LaunchFailed")
+    node = fields.get_int("node", -1, _MAX_NODES)
+    return Failure(
+        rank=fields.get_int("rank", 0, 1 << 31),
+        code=fields.get_int("code", -255, 255),
+        tail=fields.get_str_list("tail", _TAIL_LINES, 4096),
+        node=None if node < 0 else node,
+        host=fields.get_str("host", 256),
+    )
+
+
+class NodeBoard:
+    """Node 0's end of the link: welcomes nodes, relays failures, counts nodes done."""
+
+    def __init__(self, shape: NodeShape, on_failure: FailureSink) -> None:
+        self.shape = shape
+        self._on_failure = on_failure
+        self._endpoint: Endpoint | None = None
+        self._nodes: dict[bytes, int] = {}  # identity -> node rank, welcomed
+        self._done: set[int] = set()
+        self._changed = asyncio.Event()
+
+    def open(self, address: str, curve: Any = None) -> NodeBoard:
+        self._endpoint = Endpoint.bind(
+            address,
+            self._dispatch,
+            max_frame_bytes=_MAX_MESSAGE_BYTES,
+            max_envelope_bytes=_MAX_MESSAGE_BYTES,
+            name="launch-board",
+            curve=curve,
+        )
+        return self
+
+    def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        if env.kind is Kind.LAUNCH_HELLO:
+            self.handle_launch_hello(sender, env)
+        elif env.kind is Kind.LAUNCH_FAILED and sender in self._nodes:
+            self.handle_launch_failed(sender, env)
+        elif env.kind is Kind.LAUNCH_DONE and sender in self._nodes:
+            self._done.add(self._nodes[sender])
+            self._changed.set()
+        else:
+            raise ProtocolError(f"the launchers' link does not accept {env.kind.name} here")
+
+    def handle_launch_hello(self, sender: bytes, env: Envelope) -> None:
+        theirs = NodeShape.from_wire(Fields(env.body, "LaunchHello"))
+        reason = ""
+        if (theirs.nnodes, theirs.nprocs) != (self.shape.nnodes, self.shape.nprocs):
+            reason = (
+                f"node 0 launched this job with {self.shape.describe()}, but this launch asked "
+                f"for {theirs.describe()}: start every node with the same --nnodes and -n"
+            )
+        elif theirs.node_rank == 0 or theirs.node_rank in self._nodes.values():
+            reason = f"node rank {theirs.node_rank} is already running in this job"
+        assert self._endpoint is not None
+        if reason:
+            log.warning("refused a launcher: %s", reason)
+            self._endpoint.send_nowait(
+                sender, Envelope(Kind.LAUNCH_REFUSED, body={"reason": reason})
+            )
+            return
+        self._nodes[sender] = theirs.node_rank
+        self._endpoint.send_nowait(sender, Envelope(Kind.LAUNCH_WELCOME, body={}))
+
+    def handle_launch_failed(self, sender: bytes, env: Envelope) -> None:
+        failure = _failure_from(env.body)
+        self._relay(failure, but=sender)
+        self._on_failure(failure)
+
+    def report(self, failure: Failure) -> None:
+        """A rank of node 0 failed: tell every other node."""
+        self._relay(failure, but=b"")
+
+    def _relay(self, failure: Failure, but: bytes) -> None:
+        assert self._endpoint is not None
+        for identity in self._nodes:
+            if identity != but:
+                env = Envelope(Kind.LAUNCH_FAILED, body=_failure_body(failure))
+                self._endpoint.send_nowait(identity, env)
+
+    async def wait_nodes_done(self, group_gone: Callable[[], bool], grace_s: float) -> None:
+        """Wait until every welcomed node said its ranks ended, or the group has been
+        gone from the registry (no member left) for grace_s (a launcher killed)."""
+        gone_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while len(self._done) < len(self._nodes):
+            self._changed.clear()
+            if group_gone():
+                gone_since = gone_since if gone_since is not None else loop.time()
+                if loop.time() - gone_since >= grace_s:
+                    missing = sorted(set(self._nodes.values()) - self._done)
+                    log.warning("nodes %s never said their ranks ended", missing)
+                    return
+            else:
+                gone_since = None
+            try:
+                async with asyncio.timeout(0.2):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+
+    async def aclose(self) -> None:
+        if self._endpoint is not None:
+            await self._endpoint.aclose()
+
+
+class NodeLink:
+    """Node i's end of the link (i > 0)."""
+
+    def __init__(self, shape: NodeShape, on_failure: FailureSink) -> None:
+        self.shape = shape
+        self._on_failure = on_failure
+        self._channel: Channel | None = None
+        self._answer: asyncio.Future[Envelope] | None = None
+        self._drops = 0  # connections lost before node 0 answered
+
+    async def open(self, address: str, *, timeout_s: float, curve: Any = None) -> NodeLink:
+        """Say hello to node 0 and wait for its welcome.
+
+        Raises:
+            ConfigError: node 0 refused this launch (the reason says why).
+            DsmlError: node 0's launcher did not answer within timeout_s.
+        """
+        self._answer = asyncio.get_running_loop().create_future()
+        identity = f"node{self.shape.node_rank}-{secrets.token_hex(4)}".encode()
+        self._channel = Channel.connect(
+            address,
+            identity,
+            handler=self._dispatch,
+            linger_s=1.0,
+            curve=curve,
+            on_refused=self._on_refused,
+            on_disconnect=self._on_disconnect,
+        )
+        await self._channel.send(Envelope(Kind.LAUNCH_HELLO, body=self.shape.to_wire()))
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await self._answer
+        except ConfigError:
+            await self.aclose()
+            raise
+        except TimeoutError:
+            await self.aclose()
+            raise DsmlError(
+                f"no `dsml run --node-rank 0` answered at {address} within "
+                f"{timeout_s:g} s: start node 0 with the same --registry (it serves the "
+                "registry at PORT and the launchers' link at PORT+1), and check firewalls"
+            ) from None
+        if answer.kind is Kind.LAUNCH_REFUSED:
+            await self.aclose()
+            reason = Fields(answer.body, "LaunchRefused").get_str("reason", 4096)
+            raise ConfigError(f"node 0 refused node {self.shape.node_rank}: {reason}")
+        return self
+
+    def _on_refused(self, reason: str) -> None:
+        self._fail_hello(f"node 0's launcher refused the connection: {reason}")
+
+    def _on_disconnect(self) -> None:
+        """A CURVE server closes a plain client at once, again at each reconnection."""
+        self._drops += 1
+        if self._drops >= _DROPS_BEFORE_ANSWER:
+            self._fail_hello(
+                f"node 0's launcher closed the connection {self._drops} times without an "
+                "answer: is CURVE on at one end only?"
+            )
+
+    def _fail_hello(self, reason: str) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(
+                ConfigError(f"{reason}. Pass the same --curve-keys DIR on every node (or none)")
+            )
+
+    def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        if env.kind in (Kind.LAUNCH_WELCOME, Kind.LAUNCH_REFUSED):
+            if self._answer is not None and not self._answer.done():
+                self._answer.set_result(env)
+        elif env.kind is Kind.LAUNCH_FAILED:
+            self._on_failure(_failure_from(env.body))
+        else:
+            raise ProtocolError(f"node 0's launcher does not send {env.kind.name}")
+
+    def report(self, failure: Failure) -> None:
+        """A rank of this node failed: tell node 0, which tells the others."""
+        if self._channel is not None and not self._channel.closed:
+            self._channel.send_nowait(Envelope(Kind.LAUNCH_FAILED, body=_failure_body(failure)))
+
+    async def done(self, code: int) -> None:
+        if self._channel is not None and not self._channel.closed:
+            await self._channel.send(Envelope(Kind.LAUNCH_DONE, body={"code": code}))
+
+    async def aclose(self) -> None:
+        if self._channel is not None and not self._channel.closed:
+            await self._channel.aclose()

@@ -1,0 +1,93 @@
+"""The states of one rank's view of membership, and the events that move it (communicator).
+
+`ViewChanges` (view_changes.py) applies the events; this table is the whole machine at a
+glance, and `transition` checks every state change it makes against it. A diagram is in
+docs/architecture.md; tests/unit/test_view_changes.py drives each transition.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["TRANSITIONS", "ViewState", "transition"]
+
+log = logging.getLogger("dsml.communicator")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ViewState(enum.Enum):
+    """Where one rank stands with respect to changes of the group."""
+
+    JOINING = "joining"  # no view installed yet
+    STEADY = "steady"  # calls run at once in the installed view
+    JOIN_PROPOSED = "join proposed"  # the registry asked where we are; calls from there wait
+    JOIN_AGREED = "join agreed"  # a boundary is agreed: the call there installs the new view
+    MEMBER_LEFT = "member left"  # calls up to the leaver's last run; the next fails once
+    MEMBER_LOST = "member lost"  # calls in flight failed; the next waits for the new view
+    EVICTED = "evicted"  # this rank was declared dead: every call fails (final)
+
+
+S = ViewState
+_ANY = frozenset(ViewState) - {S.JOINING, S.EVICTED}
+_BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST})
+
+#: event -> state before -> the states it may lead to. Everything not listed is a bug.
+TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
+    # the first view, from `dsml.init`
+    "formed": {S.JOINING: frozenset({S.STEADY})},
+    # the registry's new view: members lost or left (no boundary), or joiners admitted
+    # (a boundary agreed); a view no newer than what we know changes nothing
+    "view": {
+        **{s: frozenset({s, S.MEMBER_LOST, S.MEMBER_LEFT, S.JOIN_AGREED}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # the registry proposes to admit joiners: say where we are, hold calls from there on
+    "proposal": {
+        **{s: frozenset({s, S.JOIN_PROPOSED}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # a restarted registry asks us to register again: its proposal died with it
+    "registry back": {
+        **{s: frozenset({s}) for s in _ANY},
+        S.JOIN_PROPOSED: frozenset({S.STEADY}),
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # a peer's connection dropped and the registry did not rule in time
+    "peer dropped": {
+        **{s: frozenset({s, S.MEMBER_LOST}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # this rank was declared dead (an eviction of an older epoch changes nothing)
+    "evicted": {**{s: frozenset({s, S.EVICTED}) for s in _ANY}, S.EVICTED: frozenset({S.EVICTED})},
+    # a call boundary installed the next view (after a loss, a leave or an agreed join)
+    "installed": {
+        s: frozenset({S.STEADY, S.JOIN_PROPOSED, S.JOIN_AGREED, S.MEMBER_LOST, S.MEMBER_LEFT})
+        for s in {S.JOIN_AGREED, *_BROKEN}
+    },
+}
+
+
+def transition(event: str) -> Callable[[F], F]:
+    """Record the state change an event handler makes, and check it against the table."""
+
+    def wrap(handler: F) -> F:
+        @functools.wraps(handler)
+        def handle(self: Any, *args: Any) -> Any:
+            before = self.state
+            result = handler(self, *args)
+            after = self.state
+            self.history.append((event, before, after))
+            if after not in TRANSITIONS[event].get(before, frozenset()):
+                log.error(
+                    "view change %r led from %s to %s: not in TRANSITIONS", event, before, after
+                )
+            return result
+
+        return handle  # type: ignore[return-value]
+
+    return wrap

@@ -1,0 +1,434 @@
+"""Several "hosts" on one Linux machine, each a network namespace (testing helpers).
+
+`netns_hosts(4)` builds, for one test or benchmark run:
+
+- one namespace per host, with loopback and an `eth0` that holds the host's address
+  (`10.217.44.1`, `.2`, ... in a private /24 that exists only inside these namespaces),
+  and its own host name (`h0`, `h1`, ...) that every command started there sees, with an
+  `/etc/hosts` naming all the hosts;
+- a bridge in a namespace of its own, so the machine's own networking is never touched;
+- a veth pair per host from its `eth0` to a bridge port, shaped in both directions with a
+  token-bucket filter (`tc qdisc ... tbf rate 1gbit`), like a full-duplex NIC.
+
+Names carry the creating process's id, so concurrent runs never collide, and everything
+is removed again on `close()` (and, for namespaces of processes that died without
+cleaning up, by the next run). It needs root, `ip` and `tc` (iproute2), and `nsenter`,
+`unshare`, `mount` (util-linux); `unavailable_reason()` says what is missing.
+
+    from dsml.testing.netns import netns_hosts
+
+    with netns_hosts(4, rate="10gbit") as hosts:
+        procs = [h.popen(["python", "worker.py", h.address]) for h in hosts]
+        hosts.set_rate("1gbit")                   # every link; or hosts[2].set_rate(...)
+        print(hosts[0].run(["ip", "addr"]).stdout)
+        print(measure_rate(hosts[0], hosts[1]) / 1e9, "Gbit/s")
+
+From a benchmark (benchmarks/*.py, run as root from the repository root with dsml
+importable: installed, or `PYTHONPATH=$PWD`), import it the same way; `unavailable_reason()`
+tells a script what to say instead of running. Tests use the fixture in
+tests/harness/netns.py (`hosts`, in tests/multihost). `python -m dsml.testing.netns
+1gbit 10gbit none` measures what one TCP stream gets through each kind of link.
+
+Commands run through `nsenter --net` plus a private UTS and mount namespace (for the host
+name and `/etc/hosts`), not `ip netns exec`, which also remounts `/sys`. Nothing in dsml
+imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Host", "NetnsError", "NetnsHosts", "leftover_namespaces", "netns_hosts"]
+__all__ += ["measure_rate", "tbf_args", "unavailable_reason"]
+
+SUBNET = "10.217.44"  # a private /24, configured only inside the namespaces made here
+_PREFIX = "dsmlnet"
+_NETNS_DIR = Path("/run/netns")
+_TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "hostname")
+_counter = itertools.count()
+
+
+class NetnsError(RuntimeError):
+    """A namespace command failed (its stderr is in the message)."""
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaced hosts cannot be built here, or None when they can."""
+    if not hasattr(os, "geteuid") or os.uname().sysname != "Linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return f"network namespaces need root (running as uid {os.geteuid()})"
+    missing = [tool for tool in _TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"not found on PATH: {', '.join(missing)} (install iproute2, util-linux, mount)"
+    return None
+
+
+def _sh(*argv: str) -> str:
+    """Run one command; raise NetnsError with its stderr when it fails."""
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise NetnsError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def leftover_namespaces(owner_pid: int | None = None) -> list[str]:
+    """Namespaces made by this module (by `owner_pid` when given) that still exist."""
+    out = _sh("ip", "netns", "list")
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    pattern = re.compile(rf"{_PREFIX}(\d+)x")
+    found = []
+    for name in names:
+        match = pattern.match(name)
+        if match and (owner_pid is None or int(match.group(1)) == owner_pid):
+            found.append(name)
+    return found
+
+
+def _remove_orphans() -> None:
+    """Delete namespaces left by runs whose process died before cleaning up."""
+    for name in leftover_namespaces():
+        owner = int(name[len(_PREFIX) :].split("x")[0])
+        if not _alive(owner):
+            with contextlib.suppress(NetnsError):
+                _sh("ip", "netns", "delete", name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tbf_args(rate: str) -> list[str]:
+    """`tc` arguments for a token bucket at `rate` ("1gbit", "10gbit", "500mbit").
+
+    The bucket holds 4 ms of traffic (at least 64 KiB, so a whole GSO packet fits), and
+    packets wait up to 20 ms for tokens before they are dropped.
+    """
+    bits = _rate_bits(rate)
+    burst_bytes = max(64 * 1024, bits // 8 // 250)
+    return ["tbf", "rate", rate, "burst", str(burst_bytes), "latency", "20ms"]
+
+
+def _rate_bits(rate: str) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if not match:
+        raise ValueError(f"rate must look like '1gbit', '10gbit' or '500mbit', got {rate!r}")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
+    return int(float(match.group(1)) * scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One namespaced host: run commands there; reach it at `address`."""
+
+    index: int
+    name: str  # the host name commands see (`hostname`), also in every host's /etc/hosts
+    netns: str  # the namespace's name for `ip netns` / `/run/netns/<netns>`
+    address: str  # its IPv4 address on the shared bridge
+    port: str  # its veth end in the bridge's namespace
+    bridge_netns: str
+    hosts_file: str
+    _procs: list[subprocess.Popen[Any]] = dataclasses.field(repr=False, compare=False)
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """`argv` wrapped to run on this host (its network, host name and /etc/hosts)."""
+        setup = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+        return [
+            "nsenter",
+            f"--net={_NETNS_DIR / self.netns}",
+            "--",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            setup,
+            self.name,
+            self.hosts_file,
+            *argv,
+        ]
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `argv` on this host; the harness kills its process group on close.
+
+        Keyword arguments go to `subprocess.Popen`; the child leads a new session, so
+        `os.killpg(proc.pid, ...)` reaches it and whatever it started. Its pid is the
+        command's own (the wrappers exec it).
+        """
+        kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(self.command(argv), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(
+        self, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True, **kwargs: Any
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `argv` on this host to completion; text output captured by default."""
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(self.command(argv), timeout=timeout, check=check, **kwargs)
+
+    def set_rate(self, rate: str) -> None:
+        """Shape this host's link to `rate` in both directions."""
+        _sh("tc", "-n", self.netns, "qdisc", "replace", "dev", "eth0", "root", *tbf_args(rate))
+        _sh(*_port_qdisc(self, rate))
+
+
+def _port_qdisc(host: Host, rate: str) -> list[str]:
+    """`tc` command shaping the bridge's end of `host`'s link (what the host receives)."""
+    port = ["tc", "-n", host.bridge_netns, "qdisc", "replace", "dev", host.port, "root"]
+    return [*port, *tbf_args(rate)]
+
+
+class NetnsHosts(Sequence[Host]):
+    """Namespaced hosts on one bridge; index it for a `Host`; `close()` removes it all."""
+
+    def __init__(self, n_hosts: int, *, rate: str | None = "1gbit", names: Sequence[str] = ()):
+        if not 1 <= n_hosts <= 250:
+            raise ValueError(f"n_hosts must be in 1..250, got {n_hosts}")
+        if names and len(names) != n_hosts:
+            raise ValueError(f"got {len(names)} names for {n_hosts} hosts")
+        if rate is not None:
+            _rate_bits(rate)  # a bad rate fails before anything is built
+        self.rate = rate
+        tag = f"{_PREFIX}{os.getpid()}x{next(_counter)}"
+        self.bridge_netns = f"{tag}br"
+        host_names = list(names) or [f"h{i}" for i in range(n_hosts)]
+        self._dir = tempfile.mkdtemp(prefix=f"{tag}-")
+        hosts_file = os.path.join(self._dir, "hosts")
+        procs: list[subprocess.Popen[Any]] = []
+        self._procs = procs
+        self._hosts = [
+            Host(
+                i,
+                host_names[i],
+                f"{tag}h{i}",
+                f"{SUBNET}.{i + 1}",
+                f"p{i}",
+                self.bridge_netns,
+                hosts_file,
+                procs,
+            )
+            for i in range(n_hosts)
+        ]
+        self._made: list[str] = []
+        self._closed = False
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{h.name}={h.address}" for h in self._hosts)
+        return f"NetnsHosts({names}, rate={self.rate}, bridge={self.bridge_netns})"
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    def __getitem__(self, index: int) -> Host:  # type: ignore[override]
+        return self._hosts[index]
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self._hosts)
+
+    @property
+    def namespaces(self) -> list[str]:
+        """The names of this instance's namespaces (bridge first), whether they exist or not."""
+        return [self.bridge_netns, *(h.netns for h in self._hosts)]
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every host's IPv4 address, in host order."""
+        return [h.address for h in self._hosts]
+
+    def open(self) -> NetnsHosts:
+        """Build the namespaces, links and shaping; on failure, remove what was built."""
+        _remove_orphans()
+        try:
+            self._write_hosts_file()
+            self._add_netns(self.bridge_netns)
+            _sh("ip", "-n", self.bridge_netns, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", self.bridge_netns, "link", "set", "br0", "up")
+            for host in self._hosts:
+                self._add_host(host)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _write_hosts_file(self) -> None:
+        lines = ["127.0.0.1 localhost"] + [f"{h.address} {h.name}" for h in self._hosts]
+        Path(self._hosts[0].hosts_file).write_text("\n".join(lines) + "\n")
+        os.chmod(self._dir, 0o755)  # daemons that drop root (munge) read it too
+
+    def _add_netns(self, name: str) -> None:
+        _sh("ip", "netns", "add", name)
+        self._made.append(name)
+
+    def _add_host(self, host: Host) -> None:
+        ns, br = host.netns, self.bridge_netns
+        self._add_netns(ns)
+        # Both ends are created inside their namespaces: no name ever appears in the root one.
+        _sh(
+            "ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", host.port, "netns", br
+        )
+        _sh("ip", "-n", br, "link", "set", host.port, "master", "br0", "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        if self.rate is not None:
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf_args(self.rate))
+            _sh(*_port_qdisc(host, self.rate))
+
+    def set_rate(self, rate: str) -> None:
+        """Shape every host's link to `rate` (both directions)."""
+        for host in self._hosts:
+            host.set_rate(rate)
+        self.rate = rate
+
+    def close(self) -> None:
+        """Kill what ran on the hosts, delete the namespaces; idempotent.
+
+        First each command's process group, then, by PID, anything left inside the
+        namespaces (processes that left their group, as daemons do).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self._procs:
+            _kill_group(proc)
+        for name in self._made:
+            _kill_inside(name)
+        errors = []
+        for name in reversed(self._made):
+            try:
+                _sh("ip", "netns", "delete", name)
+            except NetnsError as exc:
+                errors.append(str(exc))
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if errors:
+            raise NetnsError("; ".join(errors))
+
+    def __enter__(self) -> NetnsHosts:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_SINK = """
+import socket, sys, time
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+conn, _ = server.accept()
+buf, total, start = bytearray(1 << 20), 0, None
+while n := conn.recv_into(buf):
+    start = start or time.perf_counter()
+    total += n
+print(total, time.perf_counter() - (start or time.perf_counter()), flush=True)
+"""
+_SOURCE = """
+import socket, sys
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+chunk = bytes(1 << 20)
+for _ in range(int(sys.argv[3]) >> 20):
+    conn.sendall(chunk)
+conn.close()
+"""
+
+
+def measure_rate(src: Host, dst: Host, n_bytes: int = 256 << 20, port: int = 5201) -> float:
+    """Bits per second one TCP stream carries from `src` to `dst` (an iperf-like probe).
+
+    Timed at the receiver from its first byte to the end of the stream, so connection
+    set-up is left out; `n_bytes` is rounded down to whole MiB. Runs `sys.executable`.
+    """
+    python = sys.executable
+    sink = dst.popen([python, "-c", _SINK, str(port)], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None
+    if sink.stdout.readline().strip() != "ready":
+        raise NetnsError(f"the receiver on {dst.name} did not start")
+    src.run([python, "-c", _SOURCE, dst.address, str(port), str(n_bytes)], timeout=300.0)
+    total, seconds = sink.stdout.readline().split()
+    sink.wait(timeout=10.0)
+    return int(total) * 8 / float(seconds)
+
+
+def _kill_inside(netns: str) -> None:
+    """SIGKILL every process still in `netns` (by PID), such as daemons' detached helpers.
+
+    Only processes started through this harness can be inside its namespaces.
+    """
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in _sh("ip", "netns", "pids", netns).split()]
+        except NetnsError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL the process group a harness command leads, then reap its leader."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5.0)
+
+
+@contextlib.contextmanager
+def netns_hosts(
+    n_hosts: int = 4, *, rate: str | None = "1gbit", names: Sequence[str] = ()
+) -> Iterator[NetnsHosts]:
+    """`n_hosts` namespaced hosts on one bridge, links shaped to `rate` (None: unshaped)."""
+    hosts = NetnsHosts(n_hosts, rate=rate, names=names)
+    with hosts:
+        yield hosts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m dsml.testing.netns [RATE ...]`: measure each shaped link (as root)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("rates", nargs="*", default=["1gbit", "10gbit", "none"])
+    parser.add_argument("--mib", type=int, default=512, help="MiB sent per measure")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"cannot build namespaced hosts: {reason}", file=sys.stderr)
+        return 2
+    for rate in args.rates:
+        shaped = None if rate == "none" else rate
+        with netns_hosts(2, rate=shaped) as hosts:
+            rates = [measure_rate(hosts[0], hosts[1], args.mib << 20) for _ in range(args.repeat)]
+        figures = " ".join(f"{r / 1e9:.3f}" for r in rates)
+        print(f"{rate:>8}: {figures} Gbit/s (one TCP stream h0 -> h1, {args.mib} MiB each)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""`dsml run --nnodes` on one host (two launchers, one group), and joining a running group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dsml
+from dsml.cli.nodes import NodeShape, link_address
+from dsml.cli.run import check_running_group, node_zero_bind
+from dsml.membership import query_status
+from dsml.testing import open_local_cluster
+from tests.test_launch_launchers import assert_one_group, clean_env, free_port, reports
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+DSML = [sys.executable, "-m", "dsml"]
+
+
+def start_node(
+    node: int,
+    port: int,
+    script: str,
+    *args: str,
+    nprocs: int = 2,
+    options: tuple[str, ...] = (),
+    **env: str,
+) -> subprocess.Popen[str]:
+    """`dsml run -n nprocs --nnodes 2 --node-rank node` of a script, registry at port."""
+    argv = [*DSML, "run", "-n", str(nprocs), "--nnodes", "2", "--node-rank", str(node), *options]
+    return subprocess.Popen(
+        [*argv, "--registry", f"tcp://127.0.0.1:{port}", str(SCRIPTS / script), *args],
+        env=clean_env(**env),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(*procs: subprocess.Popen[str], timeout: float = 50) -> list[tuple[int, str, str]]:
+    """Wait for every launcher; (exit code, stdout, stderr) of each; kills on timeout."""
+    try:
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out, err))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def free_port_pair() -> int:
+    """A port p with p and p+1 free (the registry and the launchers' link)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+@pytest.mark.multiprocess
+def test_dsml_run_nnodes_2_twice_on_one_host_forms_one_group_ranked_by_node() -> None:
+    port = free_port_pair()
+    node1 = start_node(1, port, "launch_check.py", "RANK")  # either may start first
+    node0 = start_node(0, port, "launch_check.py", "RANK")
+    (code0, out0, err0), (code1, out1, err1) = finish(node0, node1)
+    assert code0 == 0, err0
+    assert code1 == 0, err1
+    assert_one_group(out0 + out1, 4)
+    assert sorted(r["rank"] for r in reports(out0)) == [0, 1]  # type: ignore[type-var]
+    assert sorted(r["rank"] for r in reports(out1)) == [2, 3]  # type: ignore[type-var]
+
+
+@pytest.mark.multiprocess
+def test_a_node_launch_of_another_world_size_is_refused_before_any_rank_starts() -> None:
+    port = free_port_pair()
+    node0 = start_node(0, port, "launch_check.py", "RANK")
+    try:
+        wrong = start_node(1, port, "launch_check.py", "RANK", nprocs=3)
+        [(code, out, err)] = finish(wrong)
+        assert code == 2, out + err
+        assert "node 0 launched this job with --nnodes 2 -n 2 (world size 4)" in err
+        assert "world size 6" in err
+        assert "LAUNCH" not in out  # no rank started
+        right = start_node(1, port, "launch_check.py", "RANK")  # the job still forms
+        (code0, out0, err0), (code1, out1, err1) = finish(node0, right)
+        assert (code0, code1) == (0, 0), err0 + err1
+        assert_one_group(out0 + out1, 4)
+    finally:
+        if node0.poll() is None:
+            node0.send_signal(signal.SIGINT)
+            finish(node0)
+
+
+@pytest.mark.multiprocess
+def test_a_failing_rank_is_reported_with_its_cause_by_the_launchers_of_every_node() -> None:
+    port = free_port_pair()
+    node0 = start_node(0, port, "fail_on_rank.py", FAIL_RANK="3")
+    node1 = start_node(1, port, "fail_on_rank.py", FAIL_RANK="3")
+    results = finish(node0, node1)
+    for code, _out, err in results:
+        assert code == 1, err
+        report = err[err.index("dsml run: rank") :]
+        assert report.startswith("dsml run: rank 3 on node 1 ("), report
+        assert "failed (exit code 1)" in report
+        assert "RuntimeError: rank 3 cannot find its batch" in report
+
+
+async def test_check_running_group_refuses_a_launch_of_another_world_size() -> None:
+    async with open_local_cluster(2) as cluster:
+        await check_running_group(cluster.registry.address, 2)  # the same size: fine
+        with pytest.raises(dsml.ConfigError, match=r"world size 2 running.*group of 3"):
+            await check_running_group(cluster.registry.address, 3)
+
+
+# -- dsml.init(address) without world_size ----------------------------------------------------
+
+
+async def test_init_without_world_size_joins_the_running_group_at_its_next_boundary() -> None:
+    async with open_local_cluster(2) as cluster, dsml.init(cluster.registry.address) as joiner:
+        assert (joiner.rank, joiner.world_size) == (2, 3)
+        everyone = [*cluster.comms, joiner]
+        out = await asyncio.gather(
+            *(c.all_reduce(np.full(5, c.rank + 1, dtype=np.int64)) for c in everyone)
+        )
+        assert all((o == 6).all() for o in out)
+        assert [c.world_size for c in everyone] == [3, 3, 3]
+
+
+async def test_init_without_world_size_and_no_group_running_says_world_size_forms_one() -> None:
+    async with dsml.open_registry() as registry:
+        with pytest.raises(dsml.ConfigError, match=r"no group is running.*pass world_size=N"):
+            await dsml.init(registry.address)
+
+
+# -- the registry served by rank 0 ------------------------------------------------------------
+
+
+def _status_from_another_thread(address: str, out: dict[str, Any]) -> threading.Thread:
+    def ask() -> None:
+        try:
+            out["status"] = asyncio.run(query_status(address, registry_timeout=10.0))
+        except BaseException as exc:  # handed to the test, which raises it
+            out["error"] = exc
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread
+
+
+async def test_rank_zeros_registry_answers_while_its_loop_is_blocked_and_closes_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = free_port()
+    for name in [k for k in os.environ if k.startswith(("DSML_", "SLURM_", "PMI", "OMPI_"))]:
+        monkeypatch.delenv(name)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    address = f"tcp://127.0.0.1:{port}"
+    async with dsml.init() as comm:
+        assert (comm.rank, comm.world_size) == (0, 1)
+        answer: dict[str, Any] = {}
+        thread = _status_from_another_thread(address, answer)
+        deadline = time.monotonic() + 20
+        while thread.is_alive() and time.monotonic() < deadline:
+            # User code blocking this event loop, as a long numpy call does:
+            time.sleep(0.01)  # noqa: ASYNC251
+        thread.join()
+        assert "error" not in answer, answer
+        assert answer["status"]["formed"] is True
+        assert len(answer["status"]["members"]) == 1
+    with socket.socket() as s:
+        # Closed with the communicator: nobody listens there any more (SO_REUSEADDR lets
+        # the bind through connections in TIME_WAIT, never past a listening socket).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+@pytest.mark.multiprocess
+def test_dsml_run_nnodes_with_curve_keys_forms_one_group_over_encrypted_links(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    subprocess.run([*DSML, "keys", "generate", str(keys)], check=True, capture_output=True)
+    port = free_port_pair()
+    curve = ("--curve-keys", str(keys))
+    node0 = start_node(0, port, "launch_check.py", "RANK", options=curve)
+    node1 = start_node(1, port, "launch_check.py", "RANK", options=curve)
+    (code0, out0, err0), (code1, out1, err1) = finish(node0, node1)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert_one_group(out0 + out1, 4)
+
+
+@pytest.mark.multiprocess
+def test_a_node_launch_without_node_zeros_curve_keys_is_refused_at_once(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    subprocess.run([*DSML, "keys", "generate", str(keys)], check=True, capture_output=True)
+    port = free_port_pair()
+    node0 = start_node(0, port, "launch_check.py", "RANK", options=("--curve-keys", str(keys)))
+    try:
+        plain = start_node(1, port, "launch_check.py", "RANK")
+        [(code, out, err)] = finish(plain)
+        assert code == 2, out + err
+        assert "Pass the same --curve-keys DIR on every node" in err
+        assert "LAUNCH" not in out
+    finally:
+        node0.send_signal(signal.SIGINT)
+        finish(node0)
+
+
+async def test_rank_zero_whose_master_port_is_taken_says_to_choose_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [k for k in os.environ if k.startswith(("DSML_", "SLURM_", "PMI", "OMPI_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        for name, value in (env | {"MASTER_PORT": str(taken.getsockname()[1])}).items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(dsml.ConfigError, match="Choose another MASTER_PORT"):
+            await dsml.init()
+
+
+def test_node_shapes_give_ranks_by_node_and_refuse_impossible_ones() -> None:
+    shape = NodeShape(nnodes=3, nprocs=4, node_rank=2)
+    assert (shape.world_size, list(shape.ranks)) == (12, [8, 9, 10, 11])
+    with pytest.raises(dsml.ConfigError, match="--node-rank 3 is out of range"):
+        NodeShape(3, 4, 3)
+    assert link_address("tcp://host0:29500") == "tcp://host0:29501"
+    with pytest.raises(dsml.ConfigError, match="fixed port"):
+        link_address("ipc:///tmp/registry")
+
+
+def test_node_zero_refuses_to_serve_an_address_of_another_host() -> None:
+    with pytest.raises(dsml.ConfigError, match="not an address of this host"):
+        node_zero_bind("tcp://203.0.113.77:29500")  # TEST-NET-3: nobody's; only a bind is tried
