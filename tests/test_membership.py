@@ -126,7 +126,7 @@ async def test_a_silent_member_is_evicted_after_the_heartbeat_timeout_and_told_s
         # Once they heard of the new view, no survivor call of epoch 1 can take the silent
         # member's message (which one that started earlier could, before it failed).
         await eventually(
-            lambda: all(c._keeper.latest and c._keeper.latest.epoch == 2 for c in survivors),
+            lambda: all(c._views.latest and c._views.latest.epoch == 2 for c in survivors),
             "the survivors heard of epoch 2",
         )
         first = await gather(*(c.all_reduce(np.ones(8)) for c in survivors))

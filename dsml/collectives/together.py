@@ -12,18 +12,21 @@ T = TypeVar("T")
 
 
 async def together(main: Coroutine[Any, Any, T], beside: Coroutine[Any, Any, Any]) -> T:
-    """Run both; the first failure cancels the other and is raised as itself.
+    """Run both; the first failure stops the other and is raised as itself.
 
-    (`asyncio.gather` would leave the other running after a failure; a `TaskGroup` alone
-    would wrap the error in an ExceptionGroup, which callers do not expect.)
+    Both run as tasks owned by this coroutine: neither outlives it, whatever happens.
+    (`asyncio.gather` would leave the other running after a failure; a `TaskGroup` would
+    wrap the error in an ExceptionGroup, and on Python 3.11 leaves the awaiting task
+    marked as cancelling after a child failed.)
     """
+    tasks = [asyncio.ensure_future(main), asyncio.ensure_future(beside)]
     try:
-        async with asyncio.TaskGroup() as group:
-            result = group.create_task(main)
-            group.create_task(beside)
-    except BaseExceptionGroup as failures:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():  # our own cancellation comes first
-            raise asyncio.CancelledError from None
-        raise failures.exceptions[0] from None
-    return result.result()
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:  # stop whichever is still running (ours to stop), then wait
+            task.cancel()
+        await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    return tasks[0].result()  # type: ignore[no-any-return]

@@ -3,8 +3,8 @@
 Public methods, fingerprints, aborts, timeouts; see `communicator.py` for the API.
 """
 
+from .collective_handle import CollectiveHandle
 from .communicator import Communicator
-from .handle import CollectiveHandle
 from .init import init
 
 __all__ = ["CollectiveHandle", "Communicator", "init"]

@@ -1,10 +1,14 @@
 """One operation in flight, seen by algorithms as a `Group` (communicator layer).
 
 A `Call` stamps every message it sends with its epoch, collective id and fingerprint, and
-takes the messages addressed to it from the mesh's mailbox, checking that each is the step
-and chunk the algorithm expects with the payload size it expects. When the operation
-must fail (a peer's abort, a mismatch seen on arrival) the mesh calls `fail`, which
-cancels the running task; the runner turns that cancellation into the stored error.
+takes the messages addressed to it from the call table's mailbox, checking that each is
+the step and chunk the algorithm expects with the payload size it expects.
+
+When the operation must fail (a peer's abort, a mismatch seen on arrival, a lost peer, its
+deadline) whoever notices calls `fail(error)`. The error is a value: it is put in the
+call's `failed` future, and every wait of the call (a message from the mailbox, room to
+send, a payload's receipt) watches that future and raises the error. Nothing is
+cancelled; cancellation of a call's task only ever means that the user cancelled it.
 """
 
 from __future__ import annotations
@@ -17,12 +21,17 @@ from ..errors import ProtocolError
 from ..wire import Envelope, Fingerprint, Kind
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from .call_table import CallTable
 
-__all__ = ["Call"]
+__all__ = ["Call", "DeadlinePassed"]
 
 _EMPTY = memoryview(b"")
 _KINDS = {Lane.DATA: Kind.CHUNK, Lane.CONFIRM: Kind.CONFIRM}
+
+
+class DeadlinePassed(Exception):
+    """Delivered to a call whose budget ran out; the runner turns it into a
+    `CollectiveTimeoutError` after asking the peers where they are."""
 
 
 class Call:
@@ -30,7 +39,7 @@ class Call:
 
     def __init__(
         self,
-        mesh: Mesh,
+        table: CallTable,
         cid: int,
         fingerprint: Fingerprint,
         timeout: float,
@@ -38,19 +47,21 @@ class Call:
         peer: int | None = None,
         tag: int | None = None,
     ) -> None:
-        self.mesh = mesh
+        self.table = table
         self.peer = peer  # a point-to-point receive: its source rank ...
         self.tag = tag  # ... and tag
         self.cid = cid
         self.fingerprint = fingerprint
         self.timeout = timeout
-        self.epoch = mesh.epoch
+        self.epoch = table.epoch
         self.task: asyncio.Task[Any] | None = None
+        #: the error this call ends with (first failure wins; the runner may refine it)
         self.failure: BaseException | None = None
-        self.running = False
-        self._rank = mesh.rank
-        self._size = mesh.size
-        self._chunk_bytes = mesh.config.chunk_bytes
+        #: resolved with the first failure: what every wait of the call watches
+        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self._rank = table.rank
+        self._size = table.size
+        self._chunk_bytes = table.config.chunk_bytes
 
     @property
     def rank(self) -> int:
@@ -64,6 +75,10 @@ class Call:
     def chunk_bytes(self) -> int:
         return self._chunk_bytes
 
+    @property
+    def done(self) -> bool:
+        return self.task is not None and self.task.done()
+
     async def send(
         self,
         peer: int,
@@ -75,9 +90,21 @@ class Call:
         lane: Lane = Lane.DATA,
     ) -> Receipt:
         env = Envelope(
-            _KINDS[lane], self.epoch, self._rank, self.cid, step, chunk, self.fingerprint, meta
+            _KINDS[lane],
+            self.epoch,
+            self._rank,
+            self.cid,
+            step,
+            chunk,
+            fingerprint=self.fingerprint,
+            body=meta,
         )
-        return await self.mesh.send(peer, env, () if payload is None else (payload,))
+        links = self.table.links
+        parts = () if payload is None else (payload,)
+        receipt = links.try_send(peer, env, parts)
+        if receipt is None:  # the peer's queue is full: wait for room, or for a failure
+            receipt = await self.unless_failed(links.send_in_turn(peer, env, parts))
+        return receipt if receipt.done() else _Watched(receipt, self)
 
     async def recv(
         self,
@@ -88,7 +115,9 @@ class Call:
         nbytes: int | None = None,
         lane: Lane = Lane.DATA,
     ) -> Received:
-        env, frames = await self.mesh.mailbox.get((self.epoch, self.cid), (peer, lane))
+        env, frames = await self.table.mailbox.get(
+            (self.epoch, self.cid), (peer, lane), unless=self.failed
+        )
         if env.step != step or env.chunk != chunk:
             raise ProtocolError(
                 f"collective #{self.cid}: rank {peer} sent step {env.step} chunk {env.chunk} "
@@ -104,17 +133,48 @@ class Call:
             )
         return Received(payload, env.body)
 
-    def fail(self, error: BaseException) -> None:
-        """Make the operation raise `error` (first failure wins).
+    async def unless_failed(self, waited: asyncio.Future[Any]) -> Any:
+        """The result of `waited`, or this call's failure raised if it comes first.
 
-        A call whose task has not started yet only records the error: the runner checks it
-        first thing (cancelling a task before its first step would skip the runner).
+        `waited` is left running (a queued send is not unsent when its call fails).
         """
-        if self.failure is not None or (self.task is not None and self.task.done()):
-            return
+        if self.failure is None and not waited.done():
+            await asyncio.wait((waited, self.failed), return_when=asyncio.FIRST_COMPLETED)
+        if self.failure is not None and not waited.done():
+            raise self.failure
+        return waited.result()
+
+    def fail(self, error: BaseException) -> bool:
+        """Make the operation raise `error` where it waits (first failure wins); returns
+        whether this was the first."""
+        if self.failure is not None or self.done:
+            return False
         self.failure = error
-        if self.running and self.task is not None:
-            self.task.cancel()
+        self.failed.set_result(error)
+        return True
 
     def __repr__(self) -> str:
-        return f"<Call #{self.cid} epoch={self.epoch} {self.fingerprint.describe()}>"
+        state = f" failed={type(self.failure).__name__}" if self.failure is not None else ""
+        return f"<Call #{self.cid} epoch={self.epoch} {self.fingerprint.describe()}{state}>"
+
+
+class _Watched:
+    """A receipt whose wait also ends (raising) when its call fails."""
+
+    __slots__ = ("_call", "_inner")
+
+    def __init__(self, inner: Receipt, call: Call) -> None:
+        self._inner = inner
+        self._call = call
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    async def wait(self) -> None:
+        if not self._inner.done():
+            waiting = asyncio.ensure_future(self._inner.wait())
+            try:
+                await self._call.unless_failed(waiting)
+            finally:
+                if not waiting.done():
+                    waiting.cancel()  # only our own wait on the tracker, not the send

@@ -9,61 +9,99 @@ collectives pushed with `comm.var` among their mutated vars are issued in push o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
+from ..errors import CollectiveAbortedError
 from ..membership import RegistryClient, View
 from ..wire import Fingerprint
 from .call import Call
+from .call_table import CallTable
+from .collective_handle import CollectiveHandle
 from .engine_link import EngineLink
-from .handle import CollectiveHandle
-from .mesh import Mesh
+from .links import PeerLinks
 from .p2p import PointToPoint
 from .placement import Placement
-from .plans import Plan, Planner, loose_fingerprint
+from .plans import Planner, Request
 from .runner import Runner
-from .views import ViewKeeper, ViewListener
+from .tasks import TaskOwner
+from .view_changes import ViewChanges, ViewListener
 
 __all__ = ["Communicator"]
 
 T = TypeVar("T")
 Array = Any
 
+_CLOSE_GRACE_S = 2.0  # how long closing waits for background sends (goodbyes, aborts)
+
 
 class Communicator:
-    """A member of a group. Create with `dsml.init`; close with `aclose()`."""
+    """A member of a group. Create with `dsml.init`; close with `aclose()`.
+
+    The constructor only wires the parts together; `open(view)` installs the first view
+    and starts talking to the registry (listener, heartbeats).
+    """
 
     def __init__(
         self,
-        mesh: Mesh,
+        links: PeerLinks,
+        tasks: TaskOwner,
         registry: RegistryClient,
         config: CommConfig,
         loop: asyncio.AbstractEventLoop,
         device: str = "cpu",
     ) -> None:
         self.config = config
-        self._mesh = mesh
+        self._links = links
+        self._tasks = tasks
         self._registry = registry
-        self._keeper = ViewKeeper(mesh, registry, config.view_timeout)
-        self._runner = Runner(mesh, self._keeper, config, loop)
+        self._table = CallTable(links, config)
+        self._views = ViewChanges(self._table, links, registry, config.view_timeout)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
-        self._planner = Planner(config.chunk_bytes, self._placement)
-        self._p2p = PointToPoint(mesh, self._placement)
-        self._keeper.listeners.append(lambda _old, _new: self._p2p.reset())
+        planner = Planner(config.chunk_bytes, self._placement)
+        self._runner = Runner(self._table, self._views, planner, tasks, config, loop)
+        self._p2p = PointToPoint(self._table, self._placement)
+        self._views.listeners.append(lambda _old, _new: self._p2p.reset())
         self._link = EngineLink(
             self._runner, lambda: (self.rank, self.epoch), trace=config.engine_trace
         )
-        registry.attach(self._keeper)
-        registry.start_heartbeats(self._progress)
+        links.said_goodbye = self._table.closed_after.__contains__
+        links.on_bug = tasks.on_crash = self._fail
+
+    def open(self, view: View) -> None:
+        """Install the first view, route peer messages, and start listening to the registry
+        and sending heartbeats."""
+        self._links.route(self._table.inbound)
+        self._views.install_first(view)
+        self._registry.attach(self._views)
+        self._registry.start_heartbeats(self._progress)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A bug in this communicator's own machinery: fail every call, now and later, and
+        tell the peers (as a goodbye with the error), so that theirs fail too."""
+        if self._runner.broken is None:
+            self._links.say_goodbye(self._table.next_cid - 1, f"internal error: {exc!r}")
+        self._runner.fail(
+            CollectiveAbortedError(
+                f"the communicator of rank {self._links.rank} failed on an internal error "
+                f"({exc!r}; its traceback is in the log). Its calls cannot complete: close it "
+                "(and please report the bug)",
+                origin=self._links.rank,
+                rank=self._links.rank,
+                epoch=self._links.epoch,
+            )
+        )
 
     def _progress(self) -> dict[str, Any]:
         """A heartbeat's body (read from the heartbeat thread: plain attribute reads)."""
-        started, finished = self._mesh.started, self._mesh.finished
+        started, finished = self._table.started, self._table.finished
         return {
-            "epoch": self._mesh.epoch,
+            "epoch": self._links.epoch,
             "started": list(started) if started is not None else None,
             "finished": list(finished) if finished is not None else None,
         }
@@ -74,8 +112,8 @@ class Communicator:
     def rank(self) -> int:
         """This worker's rank in the view its next collective runs in (0..world_size-1)."""
         view = self.view
-        rank = view.rank_of(self._mesh.member_id)
-        return rank if rank is not None else self._mesh.rank
+        rank = view.rank_of(self._links.member_id)
+        return rank if rank is not None else self._links.rank
 
     @property
     def world_size(self) -> int:
@@ -91,44 +129,44 @@ class Communicator:
     def view(self) -> View:
         """The view (epoch, members in ring order) the next collective runs in, as far as
         this rank knows; after a member was lost, the survivors' view once it is known."""
-        return self._keeper.next_view()
+        return self._views.next_view()
 
     @property
     def member_id(self) -> str:
-        return self._mesh.member_id
+        return self._links.member_id
 
     @property
     def address(self) -> str:
         """The address this worker's endpoint serves on."""
-        assert self._mesh.view is not None
-        return self._mesh.view.members[self._mesh.rank].address
+        assert self._links.view is not None
+        return self._links.view.members[self._links.rank].address
 
     @property
     def evicted(self) -> bool:
         """Whether the registry declared this worker dead; it must join again."""
-        return self._keeper.evicted
+        return self._views.evicted
 
     @property
     def interrupt_on_join(self) -> bool:
         """When true, the first collective after members joined raises
         `MembershipChangedError` instead of running, so the application can bring the
         joiners up to date first (`dsml.elastic.run` sets it)."""
-        return self._keeper.interrupt_on_join
+        return self._views.interrupt_on_join
 
     @interrupt_on_join.setter
     def interrupt_on_join(self, value: bool) -> None:
-        self._keeper.interrupt_on_join = bool(value)
+        self._views.interrupt_on_join = bool(value)
 
     def on_view_change(self, callback: ViewListener) -> Callable[[], None]:
         """Call `callback(old_view, new_view)` each time this rank switches views (on the
         loop, at a collective boundary); returns a function that removes it."""
-        self._keeper.listeners.append(callback)
-        return lambda: self._keeper.listeners.remove(callback)
+        self._views.listeners.append(callback)
+        return lambda: self._views.listeners.remove(callback)
 
     async def wait_view_change(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
         """Wait until the registry announces a view newer than the current one (a member
         lost, left or joined); returns it. It is used from the next collective on."""
-        return await self._keeper.wait_known(timeout)
+        return await self._views.wait_known(timeout)
 
     @property
     def registry_address(self) -> str:
@@ -144,131 +182,79 @@ class Communicator:
         """Counters of the data plane: messages dropped as malformed, of an older epoch
         (stale), for a finished call (late), held for a view not seen yet; calls in flight."""
         return {
-            "dropped": self._mesh.dropped,
-            "stale": self._mesh.counters["stale"],
-            "late": self._mesh.counters["late"],
-            "held": self._mesh.counters["held"],
-            "disconnects": self._mesh.counters["disconnects"],
-            "views_installed": self._keeper.installed,
-            "in_flight": len(self._mesh.calls),
-            "next_cid": self._mesh.next_cid,
+            "dropped": self._links.dropped,
+            "stale": self._links.counters["stale"] + self._table.counters["stale"],
+            "late": self._table.counters["late"],
+            "held": self._links.counters["held"],
+            "disconnects": self._links.counters["disconnects"],
+            "views_installed": self._views.installed,
+            "in_flight": len(self._table.calls),
+            "next_cid": self._table.next_cid,
         }
 
     # -- collectives ------------------------------------------------------------------------
+    # Each method builds a `Request` and starts it (`_start`); see docs/architecture.md.
 
     def all_reduce(
         self, x: Array, op: Any = "sum", *, algorithm: str = "auto", timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Reduce x over all ranks, in place on every rank; the handle gives x."""
-        return self._collective(
-            lambda caller: self._planner.all_reduce(x, op, algorithm, self._mesh.size, caller),
-            lambda: loose_fingerprint("all_reduce", x, op),
-            timeout,
-            x,
-        )
+        return self._start(Request("all_reduce", x, op=op, algorithm=algorithm, timeout=timeout))
 
     def reduce(
         self, x: Array, root: int = 0, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
-        return self._collective(
-            lambda caller: self._planner.reduce(
-                x, root, op, self._mesh.rank, self._mesh.size, caller
-            ),
-            lambda: loose_fingerprint("reduce", x, op, root),
-            timeout,
-            x,
-        )
+        return self._start(Request("reduce", x, op=op, root=root, timeout=timeout))
 
     def broadcast(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
-        return self._collective(
-            lambda caller: self._planner.broadcast(
-                x, root, self._mesh.rank, self._mesh.size, caller
-            ),
-            lambda: loose_fingerprint("broadcast", x, None, root),
-            timeout,
-            x,
-        )
+        return self._start(Request("broadcast", x, root=root, timeout=timeout))
 
     def all_gather(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Every rank's x concatenated along axis 0 in rank order (a new array)."""
-        return self._collective(
-            lambda caller: self._planner.all_gather(x, caller),
-            lambda: loose_fingerprint("all_gather", x),
-            timeout,
-            x,
-        )
+        return self._start(Request("all_gather", x, timeout=timeout))
 
     def gather(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Like all_gather, but only root gets the result; others get None."""
-        return self._collective(
-            lambda caller: self._planner.gather(x, root, self._mesh.size, caller),
-            lambda: loose_fingerprint("gather", x, None, root),
-            timeout,
-            x,
-        )
+        return self._start(Request("gather", x, root=root, timeout=timeout))
 
     def scatter(
         self, x: Array | None = None, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
-        return self._collective(
-            lambda caller: self._planner.scatter(x, root, self._mesh.rank, self._mesh.size, caller),
-            lambda: loose_fingerprint("scatter", x, None, root),
-            timeout,
-            x,
-        )
+        return self._start(Request("scatter", x, root=root, timeout=timeout))
 
     def reduce_scatter(
         self, x: Array, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives the reduction of numpy.array_split(x, world_size)[r]."""
-        return self._collective(
-            lambda caller: self._planner.reduce_scatter(x, op, caller),
-            lambda: loose_fingerprint("reduce_scatter", x, op),
-            timeout,
-            x,
-        )
+        return self._start(Request("reduce_scatter", x, op=op, timeout=timeout))
 
     def all_to_all(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
         concatenated in rank order."""
-        return self._collective(
-            lambda caller: self._planner.all_to_all(x, caller),
-            lambda: loose_fingerprint("all_to_all", x),
-            timeout,
-            x,
-        )
+        return self._start(Request("all_to_all", x, timeout=timeout))
 
     def barrier(self, *, timeout: float | None = None) -> CollectiveHandle[None]:
         """Return once every rank has entered the barrier."""
-        return self._collective(
-            lambda _caller: self._planner.barrier(), lambda: Fingerprint("barrier"), timeout
-        )
+        return self._start(Request("barrier", timeout=timeout))
 
-    def _collective(
-        self,
-        plan: Callable[[Any], Plan],
-        loose: Callable[[], Fingerprint],
-        timeout: float | None,
-        x: object = None,
-    ) -> CollectiveHandle[Any]:
-        caller = self._placement.caller_stream(x)  # in the caller's thread (CUDA streams)
+    def _start(self, request: Request) -> CollectiveHandle[Any]:
+        """Start a collective on the communicator's loop: queued behind collectives pushed
+        into the engine if some wait to be issued, else at once (`Runner.collective`)."""
+        if request.x is not None:  # the calling thread's CUDA stream, read in that thread
+            request = dataclasses.replace(request, caller=self._placement.caller_stream(request.x))
+        return self._runner.on_loop(functools.partial(self._issue, request))
 
-        def planned() -> Plan:
-            return plan(caller)
-
-        def start() -> CollectiveHandle[Any]:
-            if self._link.must_queue():
-                return self._link.queue(planned, loose, timeout)
-            return self._runner.collective(planned, loose, timeout)
-
-        return self._runner.on_loop(start)
+    def _issue(self, request: Request) -> CollectiveHandle[Any]:
+        if self._link.must_queue():
+            return self._link.queue(request)
+        return self._runner.collective(request)
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -279,16 +265,16 @@ class Communicator:
 
         The handle completes once x may be modified again (not when dst has received it).
         """
-
         caller = self._placement.caller_stream(x)
 
         def start() -> CollectiveHandle[None]:
-            self._keeper.ensure_current()
+            self._views.ensure_current()
             budget = self._runner.budget(timeout)
-            _fp, send = self._p2p.plan_send(x, dst, tag, caller)
-            what = f"send to rank {dst} (tag {tag})"
-            hint = f"is rank {dst} alive and connected?"
-            return CollectiveHandle(self._runner.p2p(send, budget, what, hint, dst), "send", 0)
+            dst_, tag_, fp, send = self._p2p.plan_send(x, dst, tag, caller)
+            call = Call(self._table, 0, fp, budget, peer=dst_, tag=tag_)
+            what = f"send to rank {dst_} (tag {tag_})"
+            hint = f"is rank {dst_} alive and connected?"
+            return self._runner.p2p(call, send(call), what, hint)
 
         return self._runner.on_loop(start)
 
@@ -298,20 +284,15 @@ class Communicator:
         """Receive the next array rank src sent with this tag (a new array on comm.device)."""
 
         def start() -> CollectiveHandle[Array]:
-            self._keeper.ensure_current()
+            self._views.ensure_current()
             budget = self._runner.budget(timeout)
             peer, tag_ = self._p2p.plan_recv(src, tag)
-            call = Call(self._mesh, 0, Fingerprint("recv"), budget, peer=peer, tag=tag_)
+            call = Call(self._table, 0, Fingerprint("recv"), budget, peer=peer, tag=tag_)
             what = f"recv from rank {peer} (tag {tag_})"
             hint = (
                 f"rank {peer} has not sent it: check that it calls send(x, {self.rank}, tag={tag_})"
             )
-
-            def receive() -> Awaitable[Array]:
-                return self._p2p.receive(peer, tag_)
-
-            task = self._runner.p2p(receive, budget, what, hint, peer, call)
-            return CollectiveHandle(task, "recv", 0)
+            return self._runner.p2p(call, self._p2p.receive(call, peer, tag_), what, hint)
 
         return self._runner.on_loop(start)
 
@@ -343,7 +324,7 @@ class Communicator:
         return self._link.push_collective(
             tagged,
             read,
-            lambda: loose_fingerprint("all_reduce", tagged.data, op),
+            Request("all_reduce", tagged.data, op=op),
             lambda: self.all_reduce(tagged.data, op, **options),
         )
 
@@ -354,7 +335,7 @@ class Communicator:
         return self._link.push_collective(
             tagged,
             (),
-            lambda: loose_fingerprint("broadcast", tagged.data, None, root),
+            Request("broadcast", tagged.data, root=root),
             lambda: self.broadcast(tagged.data, root, timeout=timeout),
         )
 
@@ -372,10 +353,12 @@ class Communicator:
         await self._link.aclose(cancel=cancel or error is not None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
-        last = self._mesh.next_cid - 1
-        await self._mesh.aclose(reason)  # peers hear why first: the goodbye carries it
+        last = self._table.next_cid - 1
+        self._links.say_goodbye(last, reason)  # peers hear why first: the goodbye carries it
+        await self._tasks.aclose(_CLOSE_GRACE_S)  # flushes the goodbye and other sends
+        await self._links.aclose()
         try:
-            if not self._keeper.evicted:
+            if not self._views.evicted:
                 await self._registry.leave(last)
         finally:
             await self._registry.aclose()
@@ -386,10 +369,11 @@ class Communicator:
         if self._runner.closed:
             return
         self._registry.stop_heartbeats()
-        await self._mesh.crash()
+        await self._links.crash()
         await self._registry.aclose(linger_s=0.0)
         await self._runner.cancel_all()
         await self._link.aclose(cancel=True)
+        await self._tasks.cancel_all()
 
     async def __aenter__(self) -> Communicator:
         return self
@@ -404,10 +388,10 @@ class Communicator:
         await self.aclose(error=error, cancel=exc_type is not None)
 
     def __repr__(self) -> str:
-        if self._mesh.view is None:
+        if self._links.view is None:
             return "<Communicator (not joined)>"
         state = " closed" if self._runner.closed else ""
         return (
             f"<Communicator rank={self.rank}/{self.world_size} epoch={self.epoch} "
-            f"address={self.address} in_flight={len(self._mesh.calls)}{state}>"
+            f"address={self.address} in_flight={len(self._table.calls)}{state}>"
         )

@@ -19,10 +19,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..engine import Engine, OpHandle, Tagged, Var, current_op
-from ..errors import CollectiveTimeoutError, ConfigError
-from ..wire import Fingerprint
-from .handle import CollectiveHandle
-from .plans import Plan
+from ..errors import CollectiveTimeoutError, ConfigError, DsmlError
+from .collective_handle import CollectiveHandle
+from .plans import Request
 from .runner import Runner
 
 __all__ = ["EngineLink"]
@@ -64,22 +63,26 @@ class EngineLink:
         self,
         tagged: Tagged[Array],
         read: Iterable[Var],
-        loose: Callable[[], Fingerprint],
+        request: Request,
         start: Callable[[], CollectiveHandle[Array]],
     ) -> OpHandle[Array]:
-        """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
+        """Push an issue op (mutates tagged.var and comm.var) and a completion op.
+
+        `request` describes the call (for the peers' error if this rank cannot make it);
+        `start` makes it.
+        """
         started: list[CollectiveHandle[Array] | BaseException] = []
-        name = f"{loose().collective}({tagged.var.name})"
+        name = f"{request.collective}({tagged.var.name})"
 
         async def issue() -> None:
             op = current_op()
             if op is not None and op.blocked is not None:
-                self._runner.reject(loose(), f"its input {tagged.var.name!r}: {op.blocked}")
+                self._runner.reject(request, f"its input {tagged.var.name!r}: {op.blocked}")
                 started.append(op.blocked)
                 return
             try:
                 started.append(start())
-            except Exception as exc:  # the id was taken all the same: comm.var stays clean
+            except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 started.append(exc)
 
         async def complete() -> Array:
@@ -101,9 +104,7 @@ class EngineLink:
         op = current_op()
         return op is None or op.done()
 
-    def queue(
-        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
-    ) -> CollectiveHandle[Any]:
+    def queue(self, request: Request) -> CollectiveHandle[Any]:
         """Issue a direct call in its turn behind the pushed collectives; its handle now.
 
         Waiting for the turn counts against the call's timeout. If the call is given up
@@ -112,14 +113,14 @@ class EngineLink:
         """
         if self.engine.closed:
             raise ConfigError("the communicator is closing: no new collectives")
-        budget = self._runner.budget(timeout)
+        budget = self._runner.budget(request.timeout)
         issued: list[CollectiveHandle[Any] | BaseException] = []
         abandoned = False
 
         async def issue() -> None:
             try:
-                call = self._runner.collective(plan, loose, timeout)
-            except Exception as exc:  # the id was taken all the same: comm.var stays clean
+                call = self._runner.collective(request)
+            except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 issued.append(exc)
                 return
             issued.append(call)
@@ -136,7 +137,7 @@ class EngineLink:
             try:
                 async with asyncio.timeout(budget):
                     await asyncio.shield(turn)
-            except BaseException as exc:
+            except BaseException as exc:  # given up: cancel what was issued, then re-raise
                 abandoned = True
                 for call in issued:  # issued already, but given up before this resumed
                     if isinstance(call, CollectiveHandle):

@@ -17,12 +17,13 @@ from collections.abc import Mapping
 from .._opener import Opener
 from ..collectives.devices import DeviceSpec, parse_device, resolve_device
 from ..config import CommConfig, env_float, env_int, environ
-from ..errors import ConfigError
+from ..errors import ConfigError, DsmlError
 from ..membership import Member, RegistryClient
 from ..transport import check_address
 from ..transport.addresses import advertised
 from .communicator import Communicator
-from .mesh import Mesh
+from .links import PeerLinks
+from .tasks import TaskOwner
 
 __all__ = ["init"]
 
@@ -80,24 +81,29 @@ def _resolve(
 
 
 async def _join(args: _JoinArgs) -> Communicator:
+    """Construct the parts (no I/O), bind, join through the registry, then open."""
     loop = asyncio.get_running_loop()
     member_id = secrets.token_hex(8)
-    mesh = Mesh(member_id, args.config)
-    address = advertised(mesh.bind(), toward=args.registry)
+    tasks = TaskOwner()
+    links = PeerLinks(member_id, args.config, tasks)
+    address = advertised(links.bind(), toward=args.registry)
     member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
     registry = RegistryClient(args.registry, member, args.config)
     try:
         registry.open()
         view = await registry.join(args.world_size, args.rank)
-        mesh.set_view(view)
-        device = _place(args, mesh.rank)
-    except BaseException:
-        with contextlib.suppress(Exception):
+        rank = view.rank_of(member_id)
+        assert rank is not None, "the registry's view must contain the member that joined"
+        comm = Communicator(links, tasks, registry, args.config, loop, _place(args, rank))
+        comm.open(view)
+    except BaseException:  # clean up, then re-raise
+        with contextlib.suppress(DsmlError):
             await registry.leave()  # the registry must not keep a member that is not coming
         await registry.aclose()
-        await mesh.aclose()
+        await tasks.cancel_all()
+        await links.aclose()
         raise
-    return Communicator(mesh, registry, args.config, loop, device)
+    return comm
 
 
 def _place(args: _JoinArgs, rank: int) -> str:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..collectives import DTYPES, NUMPY, backend_of, dtype_name
@@ -22,7 +23,8 @@ from ..collectives.chunking import chunk_spans
 from ..collectives.devices import is_cupy_array
 from ..errors import ConfigError, ProtocolError
 from ..wire import Envelope, Fingerprint, Kind
-from .mesh import PEER_LEFT, Mesh
+from .call import Call
+from .call_table import PEER_LEFT, CallTable
 from .placement import Placement
 
 __all__ = ["PointToPoint"]
@@ -36,8 +38,8 @@ _MAX_FRAMES = 4096
 class PointToPoint:
     """Sequence numbers and the send/recv bodies for one communicator."""
 
-    def __init__(self, mesh: Mesh, placement: Placement) -> None:
-        self._mesh = mesh
+    def __init__(self, table: CallTable, placement: Placement) -> None:
+        self._table = table
         self._placement = placement
         self._sent: Counter[tuple[int, int]] = Counter()
         self._received: Counter[tuple[int, int]] = Counter()
@@ -48,7 +50,7 @@ class PointToPoint:
         self._received.clear()
 
     def _check_peer(self, peer: object, tag: object, what: str) -> tuple[int, int]:
-        size, rank = self._mesh.size, self._mesh.rank
+        size, rank = self._table.size, self._table.rank
         if type(peer) is not int or not 0 <= peer < size or peer == rank:
             raise ConfigError(
                 f"{what}={peer!r} must be another rank of this group (0..{size - 1}, not {rank})"
@@ -59,26 +61,27 @@ class PointToPoint:
 
     def plan_send(
         self, x: Array, dst: object, tag: object, caller: Any = None
-    ) -> tuple[Fingerprint, Any]:
-        """Validate a send; returns its fingerprint and the coroutine function sending it.
+    ) -> tuple[int, int, Fingerprint, Callable[[Call], Coroutine[Any, Any, None]]]:
+        """Validate a send; returns (dst, tag), its fingerprint and the coroutine function
+        sending it over its `Call` (whose failure, its deadline, stops the waiting).
 
         `caller` is the calling thread's current CUDA stream when x is a cupy array.
         """
         dst, tag = self._check_peer(dst, tag, "dst")
         be = backend_of(x)
         fp = Fingerprint("send", dtype_name(x.dtype), x.size, x.shape)
-        frame_elems = max(1, self._mesh.config.max_frame_bytes // x.dtype.itemsize)
+        frame_elems = max(1, self._table.config.max_frame_bytes // x.dtype.itemsize)
         if math.ceil(x.size / frame_elems) > _MAX_FRAMES:
             raise ConfigError(f"send: {x.nbytes} bytes is more than one message may carry")
         if is_cupy_array(x):
             from ..collectives import cuda  # only once a cupy array is seen
 
             cuda.after_caller(x, caller)  # the payload copies wait for the caller's kernels
-        mesh = self._mesh
+        table, links = self._table, self._table.links
 
-        async def send() -> None:
-            if dst in mesh.closed_after:
-                raise mesh.peer_left_error(dst, "send to")
+        async def send(call: Call) -> None:
+            if dst in table.closed_after:
+                raise table.peer_left_error(dst, "send to")
             flat = be.flat_view(x)
             if flat is None:
                 flat = be.empty(x.size, x.dtype.newbyteorder("="))
@@ -87,40 +90,45 @@ class PointToPoint:
             # Numbered only now, in the same step as it is queued (sends start in call
             # order), so a send cancelled before it ran leaves no gap in the (dst, tag)
             # stream. If the peer's queue is full the message waits its turn in a task of
-            # the mesh: cancelling this send then stops the waiting here, not the message.
+            # the links: giving this send up then stops the waiting here, not the message.
             self._sent[(dst, tag)] += 1
             seq = self._sent[(dst, tag)]
-            env = Envelope(Kind.PEER_MESSAGE, mesh.epoch, mesh.rank, seq, tag, len(frames), fp)
+            env = Envelope(Kind.PEER_MESSAGE, table.epoch, table.rank, seq, tag, len(frames), fp)
             parts = frames if x.size else []
-            receipt = mesh.try_send(dst, env, parts)
+            receipt = links.try_send(dst, env, parts)
             if receipt is None:
-                receipt = await asyncio.shield(mesh.send_in_turn(dst, env, parts))
+                receipt = await call.unless_failed(links.send_in_turn(dst, env, parts))
             while not receipt.done():  # the caller may modify x once send returns
-                if dst in mesh.closed_after:  # it will never be read
-                    raise mesh.peer_left_error(dst, "send to")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(receipt.wait(), _CHECK_PEER_S)
+                if dst in table.closed_after:  # it will never be read
+                    raise table.peer_left_error(dst, "send to")
+                waiting = asyncio.ensure_future(receipt.wait())
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(call.unless_failed(waiting), _CHECK_PEER_S)
+                finally:
+                    waiting.cancel()  # our wait on the tracker only, not the message
 
-        return fp, send
+        return dst, tag, fp, send
 
     def plan_recv(self, src: object, tag: object) -> tuple[int, int]:
         """Validate a recv; returns (src, tag)."""
         return self._check_peer(src, tag, "src")
 
-    async def receive(self, src: int, tag: int) -> Array:
+    async def receive(self, call: Call, src: int, tag: int) -> Array:
         """Take the next message from (src, tag) and turn it into a new array.
 
         Messages are numbered when taken, so a receive that timed out without one leaves
         the stream intact. If src has closed, queued messages are still delivered; after
         them, receiving fails (a `Goodbye` queues a marker behind the last message).
         """
-        group = ("p2p", self._mesh.epoch)
-        if src in self._mesh.closed_after and not self._mesh.mailbox.count(group, (src, tag)):
-            raise self._mesh.peer_left_error(src, "recv from")
-        env, frames = await self._mesh.mailbox.get(group, (src, tag))
+        table = self._table
+        group = ("p2p", table.epoch)
+        if src in table.closed_after and not table.mailbox.count(group, (src, tag)):
+            raise table.peer_left_error(src, "recv from")
+        env, frames = await table.mailbox.get(group, (src, tag), unless=call.failed)
         if env is PEER_LEFT:  # src closed after its last message
-            self._mesh.mailbox.put(group, (src, tag), (env, frames))  # for later receives
-            raise self._mesh.peer_left_error(src, "recv from")
+            table.mailbox.put(group, (src, tag), (env, frames))  # for later receives
+            raise table.peer_left_error(src, "recv from")
         seq = self._received[(src, tag)] + 1
         fp = env.fingerprint
         if env.cid != seq:

@@ -43,15 +43,43 @@ from .call import Call
 if TYPE_CHECKING:
     from .placement import Placement
 
-__all__ = ["Plan", "Planner", "loose_fingerprint"]
+__all__ = ["ROOTED", "Plan", "Planner", "Request", "loose_fingerprint"]
 
 Array = Any
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """A validated call: its fingerprint, and the coroutine that runs it over a `Call`."""
+
     fingerprint: Fingerprint
     body: Callable[[Call], Awaitable[Any]]
+
+
+#: collectives that name a root rank
+ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One collective call as the user made it, before any check (see `Planner.plan`).
+
+    This is where the caller's arrays enter the communicator: `x` is exactly what the
+    public method received (adapters convert before they build a request).
+    """
+
+    collective: str
+    x: Any = None
+    op: Any = None
+    root: Any = None
+    algorithm: Any = "auto"
+    timeout: float | None = None
+    caller: Any = None  # the calling thread's CUDA stream, for a cupy x
+
+    def loose_fingerprint(self) -> Fingerprint:
+        """A best-effort fingerprint of possibly invalid arguments, sent with the abort
+        they cause (see `loose_fingerprint`)."""
+        return loose_fingerprint(self.collective, self.x, self.op, self.root)
 
 
 def loose_fingerprint(
@@ -137,25 +165,52 @@ class Planner:
             if buf is not None:
                 self.pool(be).release(buf)
 
+    # -- one entry point ---------------------------------------------------------------------
+
+    def plan(self, request: Request, rank: int, size: int) -> Plan:
+        """Check a call's arguments on this rank and plan it for a group of `size`.
+
+        Raises `ConfigError` before anything is sent. Plans are made for numpy arrays;
+        `Placement.wrap` adapts them to device arrays.
+        """
+        name = request.collective
+        if name == "barrier":
+            return self._barrier()
+        root = self._root(request.root, size) if name in ROOTED else 0
+        if name == "scatter" and rank != root:
+            return self._receive_scatter(root)  # non-roots have no input
+        x = request.x
+        if name == "scatter" and x is None:
+            raise ConfigError(f"scatter: the root (rank {root}) must pass the array to scatter")
+        make = getattr(self, f"_{name}")
+        is_root = rank == root
+        return self._placement.wrap(
+            x,
+            lambda a: make(a, request, rank, size, root),
+            request.caller,
+            needs_input=not (name == "broadcast" and not is_root),  # the others receive all
+            writes_back=not (name == "broadcast" and is_root),  # the root's x is unchanged
+        )
+
+    def choose_algorithm(self, algorithm: Any, nbytes: int, size: int) -> str:
+        """The all_reduce algorithm to run: the one asked for, or the choice for `auto`
+        (the place where a cost model plugs in)."""
+        algo = check_algorithm(algorithm)
+        return choose_all_reduce(nbytes, size) if algo == "auto" else algo
+
     # -- reductions in place ----------------------------------------------------------------
 
-    def all_reduce(self, x: Array, op: Any, algorithm: Any, size: int, caller: Any = None) -> Plan:
-        return self._placement.wrap(x, lambda a: self._all_reduce(a, op, algorithm, size), caller)
-
-    def _all_reduce(self, x: Array, op: Any, algorithm: Any, size: int) -> Plan:
+    def _all_reduce(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x, writable=True)
-        reduce_op = check_op(op, dtype)
-        algo = check_algorithm(algorithm)
-        if algo == "auto":
-            algo = choose_all_reduce(x.nbytes, size)
+        reduce_op = check_op(request.op, dtype)
+        algo = self.choose_algorithm(request.algorithm, x.nbytes, size)
         fp = Fingerprint(
             "all_reduce",
-            dtype,
-            x.size,
-            x.shape,
-            reduce_op.value,
-            None,
-            algo,
+            dtype=dtype,
+            count=x.size,
+            shape=x.shape,
+            op=reduce_op.value,
+            algorithm=algo,
             chunk_bytes=self._chunk,
         )
 
@@ -174,18 +229,17 @@ class Planner:
 
         return Plan(fp, body)
 
-    def reduce(
-        self, x: Array, root: Any, op: Any, rank: int, size: int, caller: Any = None
-    ) -> Plan:
-        plan = self._reduce
-        return self._placement.wrap(x, lambda a: plan(a, root, op, rank, size), caller)
-
-    def _reduce(self, x: Array, root: Any, op: Any, rank: int, size: int) -> Plan:
-        root = self._root(root, size)
+    def _reduce(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x, writable=rank == root)
-        reduce_op = check_op(op, dtype)
+        reduce_op = check_op(request.op, dtype)
         fp = Fingerprint(
-            "reduce", dtype, x.size, x.shape, reduce_op.value, root, chunk_bytes=self._chunk
+            "reduce",
+            dtype=dtype,
+            count=x.size,
+            shape=x.shape,
+            op=reduce_op.value,
+            root=root,
+            chunk_bytes=self._chunk,
         )
 
         async def body(call: Call) -> Array | None:
@@ -201,20 +255,16 @@ class Planner:
 
         return Plan(fp, body)
 
-    def broadcast(self, x: Array, root: Any, rank: int, size: int, caller: Any = None) -> Plan:
-        is_root = rank == root
-        return self._placement.wrap(
-            x,
-            lambda a: self._broadcast(a, root, rank, size),
-            caller,
-            needs_input=is_root,  # the others receive everything
-            writes_back=not is_root,  # the root's array does not change
-        )
-
-    def _broadcast(self, x: Array, root: Any, rank: int, size: int) -> Plan:
-        root = self._root(root, size)
+    def _broadcast(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x, writable=rank != root)
-        fp = Fingerprint("broadcast", dtype, x.size, x.shape, None, root, chunk_bytes=self._chunk)
+        fp = Fingerprint(
+            "broadcast",
+            dtype=dtype,
+            count=x.size,
+            shape=x.shape,
+            root=root,
+            chunk_bytes=self._chunk,
+        )
 
         async def body(call: Call) -> Array:
             if call.size == 1:
@@ -232,15 +282,17 @@ class Planner:
 
         return Plan(fp, body)
 
-    def reduce_scatter(self, x: Array, op: Any, caller: Any = None) -> Plan:
-        return self._placement.wrap(x, lambda a: self._reduce_scatter(a, op), caller)
-
-    def _reduce_scatter(self, x: Array, op: Any) -> Plan:
+    def _reduce_scatter(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x)
-        reduce_op = check_op(op, dtype)
+        reduce_op = check_op(request.op, dtype)
         rows_x = _rows_view(x)
         fp = Fingerprint(
-            "reduce_scatter", dtype, x.size, rows_x.shape, reduce_op.value, chunk_bytes=self._chunk
+            "reduce_scatter",
+            dtype=dtype,
+            count=x.size,
+            shape=rows_x.shape,
+            op=reduce_op.value,
+            chunk_bytes=self._chunk,
         )
 
         async def body(call: Call) -> Array:
@@ -268,13 +320,10 @@ class Planner:
 
     # -- data movement ----------------------------------------------------------------------
 
-    def all_gather(self, x: Array, caller: Any = None) -> Plan:
-        return self._placement.wrap(x, self._all_gather, caller)
-
-    def _all_gather(self, x: Array) -> Plan:
+    def _all_gather(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
-        fp = Fingerprint("all_gather", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)
+        fp = Fingerprint("all_gather", dtype=dtype, shape=rows_x.shape[1:], chunk_bytes=self._chunk)
 
         async def body(call: Call) -> Array:
             block, copy = self._flat_input(be, rows_x)
@@ -284,15 +333,11 @@ class Planner:
 
         return Plan(fp, body)
 
-    def gather(self, x: Array, root: Any, size: int, caller: Any = None) -> Plan:
-        return self._placement.wrap(x, lambda a: self._gather(a, root, size), caller)
-
-    def _gather(self, x: Array, root: Any, size: int) -> Plan:
-        root = self._root(root, size)
+    def _gather(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint(
-            "gather", dtype, None, rows_x.shape[1:], None, root, chunk_bytes=self._chunk
+            "gather", dtype=dtype, shape=rows_x.shape[1:], root=root, chunk_bytes=self._chunk
         )
 
         async def body(call: Call) -> Array | None:
@@ -303,25 +348,17 @@ class Planner:
 
         return Plan(fp, body)
 
-    def scatter(self, x: Array | None, root: Any, rank: int, size: int, caller: Any = None) -> Plan:
-        root = self._root(root, size)
-        if rank != root:
-            fp = Fingerprint("scatter", root=root, chunk_bytes=self._chunk)
-
-            async def receive(call: Call) -> Array:
-                part = await scatter_direct(call, NUMPY, None, 0, (), root)
-                return await self._placement.on_device(part)  # no input: on comm.device
-
-            return Plan(fp, receive)
-        if x is None:
-            raise ConfigError(f"scatter: the root (rank {root}) must pass the array to scatter")
-        return self._placement.wrap(x, lambda a: self._deal(a, root), caller)
-
-    def _deal(self, x: Array, root: int) -> Plan:
+    def _scatter(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
+        """The root deals the parts of x (non-roots: `_receive_scatter`)."""
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint(
-            "scatter", dtype, x.size, rows_x.shape, None, root, chunk_bytes=self._chunk
+            "scatter",
+            dtype=dtype,
+            count=x.size,
+            shape=rows_x.shape,
+            root=root,
+            chunk_bytes=self._chunk,
         )
 
         async def deal(call: Call) -> Array:
@@ -332,13 +369,19 @@ class Planner:
 
         return Plan(fp, deal)
 
-    def all_to_all(self, x: Array, caller: Any = None) -> Plan:
-        return self._placement.wrap(x, self._all_to_all, caller)
+    def _receive_scatter(self, root: int) -> Plan:
+        fp = Fingerprint("scatter", root=root, chunk_bytes=self._chunk)
 
-    def _all_to_all(self, x: Array) -> Plan:
+        async def receive(call: Call) -> Array:
+            part = await scatter_direct(call, NUMPY, None, 0, (), root)
+            return await self._placement.on_device(part)  # no input: on comm.device
+
+        return Plan(fp, receive)
+
+    def _all_to_all(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
-        fp = Fingerprint("all_to_all", dtype, None, rows_x.shape[1:], chunk_bytes=self._chunk)
+        fp = Fingerprint("all_to_all", dtype=dtype, shape=rows_x.shape[1:], chunk_bytes=self._chunk)
 
         async def body(call: Call) -> Array:
             flat, copy = self._flat_input(be, rows_x)
@@ -348,7 +391,7 @@ class Planner:
 
         return Plan(fp, body)
 
-    def barrier(self) -> Plan:
+    def _barrier(self) -> Plan:
         async def body(call: Call) -> None:
             if call.size > 1:
                 await barrier_dissemination(call)

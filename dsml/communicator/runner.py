@@ -1,10 +1,13 @@
-"""Starting and running calls: ids, tasks, timeouts, aborts (communicator layer).
+"""Starting and running calls: ids, tasks, deadlines, aborts (communicator layer).
 
 A collective takes the next collective id when it is called (program order is collective
-order) and runs as a task at once. The runner gives every call its timeout, turns a
-peer's abort into this rank's error, aborts the peers when this rank fails or is
-cancelled, and asks the peers where they are before reporting a timeout. It also hands
-calls made from other threads (the engine's pool) to the communicator's loop.
+order) and runs as a task of the communicator at once. The runner plans the call, gives it
+its deadline, turns a failure delivered to it (a peer's abort, a lost peer, its deadline)
+into this rank's error, aborts the peers when this rank fails or the user cancels, and
+asks the peers where they are before reporting a timeout. It also hands calls made from
+other threads (the engine's pool) to the communicator's loop.
+
+The runner is the only writer of the call table.
 """
 
 from __future__ import annotations
@@ -12,19 +15,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ..config import CommConfig
-from ..errors import CollectiveError, CollectiveTimeoutError, ConfigError, DsmlError, ProtocolError
-from ..wire import Fingerprint
-from .call import Call
+from ..errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    ConfigError,
+    DsmlError,
+    ProtocolError,
+)
+from .call import Call, DeadlinePassed
+from .call_table import CallTable
+from .collective_handle import CollectiveHandle
 from .diagnose import timeout_message
-from .handle import CollectiveHandle
-from .mesh import Mesh
-from .plans import Plan
-from .views import ViewKeeper
+from .plans import Plan, Planner, Request
+from .tasks import TaskOwner
+from .view_changes import ViewChanges
 
 __all__ = ["Runner"]
 
@@ -36,18 +46,25 @@ class Runner:
 
     def __init__(
         self,
-        mesh: Mesh,
-        keeper: ViewKeeper,
+        table: CallTable,
+        views: ViewChanges,
+        planner: Planner,
+        tasks: TaskOwner,
         config: CommConfig,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.closed = False
-        self._mesh = mesh
-        self._keeper = keeper
+        #: set when the communicator failed (a bug met in its own machinery): every call
+        #: in flight fails with it, and so does every later call
+        self.broken: DsmlError | None = None
+        self._table = table
+        self._views = views
+        self._planner = planner
+        self._tasks = tasks
         self._config = config
         self._loop = loop
         self._deferred = 0  # calls waiting for a change of view, in program order
-        self._waiting: set[asyncio.Task[Any]] = set()
+        self._waiting: set[asyncio.Task[Any]] = set()  # ... and their tasks
         self._admission = asyncio.Lock()
 
     def budget(self, timeout: float | None) -> float:
@@ -65,6 +82,8 @@ class Runner:
         """
         if self.closed:
             raise ConfigError("this communicator is closed")
+        if self.broken is not None:
+            raise self.broken
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -84,7 +103,7 @@ class Runner:
         def call() -> None:
             try:
                 done.set_result(context.run(start))
-            except BaseException as exc:  # handed to the calling thread
+            except BaseException as exc:  # handed to the calling thread, which raises it
                 done.set_exception(exc)
 
         try:
@@ -93,216 +112,183 @@ class Runner:
             raise ConfigError("the communicator's event loop is closed") from None
         return done.result()
 
+    def fail(self, error: DsmlError) -> None:
+        """The communicator is broken: fail every call in flight, and every later one."""
+        if self.broken is None:
+            self.broken = error
+        for call in [*self._table.calls.values(), *self._table.receives]:
+            if call.fail(error) and call.cid:  # a collective: its peers must not wait for it
+                self._table.abort(call, "failed", f"rank {self._table.rank} failed: {error}")
+
     # -- collectives ------------------------------------------------------------------------
 
-    def collective(
-        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
-    ) -> CollectiveHandle[Any]:
+    def collective(self, request: Request) -> CollectiveHandle[Any]:
         """Take the next collective id, plan the call and start it; returns its handle.
 
         Must run on the communicator's loop (see `on_loop`). While the group changes the
-        call first waits its turn (`ViewKeeper.admit`), behind the calls made before it.
+        call first waits its turn (`ViewChanges.admit`), behind the calls made before it.
         """
-        if self._deferred or not self._keeper.immediate():
+        if self.broken is not None:
+            raise self.broken
+        if self._deferred or not self._views.immediate():
             self._deferred += 1
-            name = _name_of(loose)
-            task = self._loop.create_task(self._admit_then_run(plan, loose, timeout))
+            task = self._tasks.spawn(self._admit_then_run(request), watched=False)
             self._waiting.add(task)
             task.add_done_callback(self._waiting.discard)
-            return CollectiveHandle(task, name, 0)
-        call = self._start(plan, loose, timeout)
+            return CollectiveHandle(task, request.collective, 0)
+        call = self._start(request)
         assert call.task is not None
         return CollectiveHandle(call.task, call.fingerprint.collective, call.cid)
 
-    async def _admit_then_run(
-        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], budget: float | None
-    ) -> Any:
+    async def _admit_then_run(self, request: Request) -> Any:
         try:
             async with self._admission:
-                await self._keeper.admit()
-                call = self._start(plan, loose, budget)
+                await self._views.admit()
+                call = self._start(request)
         finally:
             self._deferred -= 1
         assert call.task is not None
         return await call.task
 
-    def _start(
-        self, plan: Callable[[], Plan], loose: Callable[[], Fingerprint], timeout: float | None
-    ) -> Call:
-        cid = self._mesh.next_cid
-        self._mesh.next_cid += 1
+    def _start(self, request: Request) -> Call:
+        cid = self._table.take_cid()
         try:
-            budget = self.budget(timeout)
-            planned = plan()
+            budget = self.budget(request.timeout)
+            plan = self._planner.plan(request, self._table.rank, self._table.size)
         except ConfigError as exc:
-            rejected = Call(self._mesh, cid, loose(), self._config.timeout)
-            reason = f"rank {self._mesh.rank} rejected its arguments: {exc}"
-            self._mesh.abort(rejected, "invalid", reason)
-            self._mesh.forget(cid)
+            rejected = Call(self._table, cid, request.loose_fingerprint(), self._config.timeout)
+            reason = f"rank {self._table.rank} rejected its arguments: {exc}"
+            self._table.abort(rejected, "invalid", reason)
+            self._table.forget(cid)
             raise
-        call = Call(self._mesh, cid, planned.fingerprint, budget)
-        self._mesh.register(call)
-        self._mesh.started = (call.epoch, cid, planned.fingerprint.describe())
-        task = self._loop.create_task(self._run(call, planned))
-        call.task = task
-        task.add_done_callback(lambda t: self._finished(call, t))
+        call = Call(self._table, cid, plan.fingerprint, budget)
+        self._table.register(call)
+        call.task = self._tasks.spawn(self._run(call, plan), watched=False)
+        call.task.add_done_callback(functools.partial(self._finished, call))
         return call
 
-    def reject(self, fingerprint: Fingerprint, reason: str) -> None:
+    def reject(self, request: Request, reason: str) -> None:
         """Take the next collective id without running it, and fail it on every peer.
 
         For a call this rank cannot make (its input is poisoned): its turn is taken like
         any other, so the ranks' collective ids stay in step, and the peers fail loudly
         rather than pair this id with a later call.
         """
-        if self._deferred or not self._keeper.immediate():
+        if self._deferred or not self._views.immediate():
             self._deferred += 1
-            self._mesh.spawn(self._admit_then_reject(fingerprint, reason))
+            self._tasks.spawn(self._admit_then_reject(request, reason))
             return
-        self._reject_now(fingerprint, reason)
+        self._reject_now(request, reason)
 
-    async def _admit_then_reject(self, fingerprint: Fingerprint, reason: str) -> None:
+    async def _admit_then_reject(self, request: Request, reason: str) -> None:
         try:
             async with self._admission:
-                await self._keeper.admit()
-                self._reject_now(fingerprint, reason)
-        except DsmlError:
+                await self._views.admit()
+                self._reject_now(request, reason)
+        except (CollectiveError, ConfigError):
             pass  # the group changed: there is no call left to fail on the peers
         finally:
             self._deferred -= 1
 
-    def _reject_now(self, fingerprint: Fingerprint, reason: str) -> None:
-        cid = self._mesh.next_cid
-        self._mesh.next_cid += 1
-        rejected = Call(self._mesh, cid, fingerprint, self._config.timeout)
-        self._mesh.abort(
-            rejected, "failed", f"rank {self._mesh.rank} could not take part: {reason}"
+    def _reject_now(self, request: Request, reason: str) -> None:
+        cid = self._table.take_cid()
+        rejected = Call(self._table, cid, request.loose_fingerprint(), self._config.timeout)
+        self._table.abort(
+            rejected, "failed", f"rank {self._table.rank} could not take part: {reason}"
         )
-        self._mesh.forget(cid)
+        self._table.forget(cid)
 
     async def _run(self, call: Call, plan: Plan) -> Any:
-        call.running = True
+        deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
         try:
-            error = call.failure or self._mesh.check_start(call)
+            error = call.failure or self._table.check_start(call)
             if error is not None:
-                call.failure = error  # already known to the peers: no abort from here
+                call.fail(error)  # already known to the peers: no abort from here
                 raise error
-            async with asyncio.timeout(call.timeout):
-                return await plan.body(call)
-        except asyncio.CancelledError:
-            if call.failure is None:
-                raise  # cancelled by the caller; _finished aborts the peers
-            _uncancel()
-            raise call.failure from None
-        except TimeoutError as exc:
-            if isinstance(exc, CollectiveError):
-                raise
+            return await plan.body(call)
+        except DeadlinePassed:
             raise await self._timed_out(call) from None
         except (ProtocolError, CollectiveError) as exc:
-            if call.failure is None:
-                call.failure = exc
-                self._mesh.abort(call, "failed", f"rank {self._mesh.rank} failed: {exc}")
+            if call.fail(exc):  # our own failure, not one delivered to us: tell the peers
+                self._table.abort(call, "failed", f"rank {self._table.rank} failed: {exc}")
             raise
+        finally:
+            deadline.cancel()
 
     async def _timed_out(self, call: Call) -> CollectiveTimeoutError:
-        call.running = False  # peers' probes and aborts must not cancel the diagnosis
-        progress = await self._mesh.probe(call)
+        progress = await self._table.probe(call)
         message, missing = timeout_message(
-            call.cid, call.fingerprint, self._mesh.rank, call.timeout, progress
+            call.cid, call.fingerprint, self._table.rank, call.timeout, progress
         )
         call.failure = CollectiveTimeoutError(
             message,
             missing=missing,
-            rank=self._mesh.rank,
+            rank=self._table.rank,
             epoch=call.epoch,
             cid=call.cid,
             collective=call.fingerprint.collective,
         )
-        self._mesh.abort(call, "timeout", message, missing)
+        self._table.abort(call, "timeout", message, missing)
         return call.failure
 
     def _finished(self, call: Call, task: asyncio.Task[Any]) -> None:
-        self._mesh.finish(call)
-        self._mesh.finished = (call.epoch, call.cid, call.fingerprint.describe())
-        rank = self._mesh.rank
-        if task.cancelled() and call.failure is None:
-            self._mesh.abort(call, "cancelled", f"rank {rank} cancelled the call")
+        self._table.finish(call)
+        rank = self._table.rank
+        if task.cancelled() and call.failure is None:  # the user cancelled
+            self._table.abort(call, "cancelled", f"rank {rank} cancelled the call")
         elif not task.cancelled() and call.failure is None and task.exception() is not None:
-            self._mesh.abort(call, "failed", f"rank {rank} failed: {task.exception()!r}")
+            self._table.abort(call, "failed", f"rank {rank} failed: {task.exception()!r}")
 
     # -- point to point ---------------------------------------------------------------------
 
     def p2p(
         self,
-        make: Callable[[], Awaitable[T]],
-        budget: float,
+        call: Call,
+        body: Coroutine[Any, Any, T],
         what: str,
         hint: str,
-        peer: int,
-        receive: Call | None = None,
-    ) -> asyncio.Task[T]:
-        """Start a send or a receive (a `receive` Call lets a peer's goodbye fail it)."""
-        task = self._loop.create_task(self._run_p2p(make, budget, what, hint, peer, receive))
-        if receive is not None:
-            receive.task = task
-            self._mesh.receives.add(receive)
-            task.add_done_callback(lambda _t: self._mesh.receives.discard(receive))
-        return task
+    ) -> CollectiveHandle[T]:
+        """Start a send or a receive; a receive's `call` is in the table while it waits, so
+        a peer's goodbye or a change of view fails it."""
+        receive = call.fingerprint.collective == "recv"
+        if receive:
+            self._table.add_receive(call)
+        call.task = self._tasks.spawn(self._run_p2p(call, body, what, hint), watched=False)
+        if receive:
+            call.task.add_done_callback(lambda _t: self._table.end_receive(call))
+        return CollectiveHandle(call.task, call.fingerprint.collective, 0)
 
-    async def _run_p2p(
-        self,
-        make: Callable[[], Awaitable[T]],
-        budget: float,
-        what: str,
-        hint: str,
-        peer: int,
-        call: Call | None,
-    ) -> T:
+    async def _run_p2p(self, call: Call, body: Coroutine[Any, Any, T], what: str, hint: str) -> T:
+        deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
         try:
-            if call is not None:
-                call.running = True
-                if call.failure is not None:
-                    raise call.failure
-            async with asyncio.timeout(budget):
-                return await make()
-        except asyncio.CancelledError:
-            if call is None or call.failure is None:
-                raise
-            _uncancel()
-            raise call.failure from None
-        except TimeoutError as exc:
-            if isinstance(exc, DsmlError):
-                raise
+            if call.failure is not None:
+                body.close()
+                raise call.failure
+            return await body
+        except DeadlinePassed:
             raise CollectiveTimeoutError(
-                f"{what} timed out after {budget:g} s on rank {self._mesh.rank}: {hint}",
-                missing=[peer],
-                rank=self._mesh.rank,
-                epoch=self._mesh.epoch,
+                f"{what} timed out after {call.timeout:g} s on rank {self._table.rank}: {hint}",
+                missing=[call.peer] if call.peer is not None else [],
+                rank=self._table.rank,
+                epoch=call.epoch,
             ) from None
+        finally:
+            deadline.cancel()
 
     # -- closing ----------------------------------------------------------------------------
 
     async def cancel_all(self) -> None:
-        """Refuse new calls, cancel every call in flight (peers are told), wait briefly."""
+        """Refuse new calls and cancel every call in flight (the peers are told): closing
+        the communicator gives them up, as the user's cancel would."""
         self.closed = True
-        tasks = [c.task for c in self._mesh.calls.values() if c.task is not None]
-        tasks += [r.task for r in self._mesh.receives if r.task is not None]
+        tasks = [c.task for c in self._table.calls.values() if c.task is not None]
+        tasks += [r.task for r in self._table.receives if r.task is not None]
         tasks += list(self._waiting)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
 
-
-def _name_of(loose: Callable[[], Fingerprint]) -> str:
-    try:
-        return loose().collective
-    except Exception:  # the call itself reports bad input when it is admitted
-        return "collective"
-
-
-def _uncancel() -> None:
-    """Our own cancellation became the call's error: it is not the caller's cancel."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
+    def __repr__(self) -> str:
+        state = " closed" if self.closed else " broken" if self.broken else ""
+        return f"<Runner deferred={self._deferred} tasks={len(self._tasks)}{state}>"

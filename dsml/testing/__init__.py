@@ -5,6 +5,8 @@ talking over real ZeroMQ sockets on loopback, so a whole group fits in one test:
 
     async with dsml.testing.open_local_cluster(4) as cluster:
         results = await cluster.run(lambda comm: comm.all_reduce(np.ones(3) * comm.rank))
+
+`MemoryNetwork(n)` gives n in-memory `Group`s (no sockets) to test algorithms with.
 """
 
 from __future__ import annotations
@@ -18,8 +20,17 @@ from ..communicator import Communicator, init
 from ..config import CommConfig, RegistryConfig
 from ..membership import Registry, open_registry
 from .faults import Faults, crash, inject
+from .memory_group import MemoryGroup, MemoryNetwork
 
-__all__ = ["Faults", "InProcessCluster", "crash", "inject", "open_local_cluster"]
+__all__ = [
+    "Faults",
+    "InProcessCluster",
+    "MemoryGroup",
+    "MemoryNetwork",
+    "crash",
+    "inject",
+    "open_local_cluster",
+]
 
 T = TypeVar("T")
 

@@ -117,14 +117,14 @@ class FaultyChannel:
 def inject(comm: Communicator, faults: Faults) -> Faults:
     """Send `comm`'s peer messages through `faults` from now on; returns it."""
     faults._comm = comm
-    mesh = comm._mesh
+    links = comm._links
 
     def wrap(member_id: str, channel: Channel) -> Channel:
         inner = channel.inner if isinstance(channel, FaultyChannel) else channel
         return FaultyChannel(member_id, inner, faults)  # type: ignore[return-value]
 
-    mesh.wrap_channel = wrap
-    mesh.rewrap()
+    links.wrap_channel = wrap
+    links.rewrap()
     return faults
 
 

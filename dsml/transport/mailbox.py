@@ -49,12 +49,19 @@ class Mailbox(Generic[T]):
         else:
             queue.append(item)
 
-    async def get(self, group: Hashable, key: Hashable) -> T:
+    async def get(
+        self, group: Hashable, key: Hashable, *, unless: asyncio.Future[Any] | None = None
+    ) -> T:
         """Take the oldest item under (group, key), waiting for one.
 
         Several waiters on one key are served in the order they started waiting. A waiter
         cancelled after its item was handed over puts the item back: nothing is lost.
+        `unless` is a future whose result is an exception: once it is set, a waiting (or
+        later) get raises that exception instead of waiting on. This is how a failure
+        reaches the code waiting for a message, as a value rather than a cancellation.
         """
+        if unless is not None and unless.done():
+            raise unless.result()
         queues = self._groups.get(group)
         if queues:
             queue = queues.get(key)
@@ -68,13 +75,24 @@ class Mailbox(Generic[T]):
         address = (group, key)
         waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(address, deque()).append(waiter)
+
+        def give_up(failed: asyncio.Future[Any]) -> None:
+            if not waiter.done():
+                waiter.set_exception(failed.result())
+
+        if unless is not None:
+            unless.add_done_callback(give_up)
         try:
             return await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            # Cancelled after the item was handed over: put it back, nothing is lost. (A
+            # failure through `unless` reaches only a waiter that had no item yet.)
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self._append(group, key, waiter.result(), front=True)
             raise
         finally:
+            if unless is not None:
+                unless.remove_done_callback(give_up)
             waiters = self._waiters.get(address)
             if waiters is not None and waiter in waiters:
                 waiters.remove(waiter)

@@ -20,26 +20,105 @@ once passes `admit()` first. The rules, the same on every rank:
 
 A dropped connection to a peer (seen by the transport's socket monitor) counts as a loss
 here at once and is reported to the registry, which checks it and publishes the new view.
+
+The states a rank can be in and the events that move it are named in `ViewState` and
+`TRANSITIONS` below (a diagram is in docs/architecture.md). Every event handler records the
+transition it made in `history`; a transition the table does not list is a bug and is
+logged as an error (tests/unit/test_view_changes.py drives each one without sockets).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import functools
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import EvictedError, MembershipChangedError, PeerLostError
 from ..membership import Change, RegistryClient, View
 from .call import Call
-from .mesh import Mesh
+from .call_table import CallTable
+from .links import PeerLinks
 
-__all__ = ["ViewKeeper"]
+__all__ = ["TRANSITIONS", "ViewChanges", "ViewListener", "ViewState"]
 
 log = logging.getLogger("dsml.communicator")
 
 ViewListener = Callable[[View, View], Any]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ViewState(enum.Enum):
+    """Where one rank stands with respect to changes of the group."""
+
+    JOINING = "joining"  # no view installed yet
+    STEADY = "steady"  # calls run at once in the installed view
+    JOIN_PROPOSED = "join proposed"  # the registry asked where we are; calls from there wait
+    JOIN_AGREED = "join agreed"  # a boundary is agreed: the call there installs the new view
+    MEMBER_LEFT = "member left"  # calls up to the leaver's last run; the next fails once
+    MEMBER_LOST = "member lost"  # calls in flight failed; the next waits for the new view
+    EVICTED = "evicted"  # this rank was declared dead: every call fails (final)
+
+
+S = ViewState
+_ANY = frozenset(ViewState) - {S.JOINING, S.EVICTED}
+_BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST})
+
+#: event -> state before -> the states it may lead to. Everything not listed is a bug.
+TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
+    # the first view, from `dsml.init`
+    "formed": {S.JOINING: frozenset({S.STEADY})},
+    # the registry's new view: members lost or left (no boundary), or joiners admitted
+    # (a boundary agreed); a view no newer than what we know changes nothing
+    "view": {
+        **{s: frozenset({s, S.MEMBER_LOST, S.MEMBER_LEFT, S.JOIN_AGREED}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # the registry proposes to admit joiners: say where we are, hold calls from there on
+    "proposal": {
+        **{s: frozenset({s, S.JOIN_PROPOSED}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # a restarted registry asks us to register again: its proposal died with it
+    "registry back": {
+        **{s: frozenset({s}) for s in _ANY},
+        S.JOIN_PROPOSED: frozenset({S.STEADY}),
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # a peer's connection dropped and the registry did not rule in time
+    "peer dropped": {
+        **{s: frozenset({s, S.MEMBER_LOST}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # this rank was declared dead (an eviction of an older epoch changes nothing)
+    "evicted": {**{s: frozenset({s, S.EVICTED}) for s in _ANY}, S.EVICTED: frozenset({S.EVICTED})},
+    # a call boundary installed the next view (after a loss, a leave or an agreed join)
+    "installed": {
+        s: frozenset({S.STEADY, S.JOIN_PROPOSED, S.JOIN_AGREED, S.MEMBER_LOST, S.MEMBER_LEFT})
+        for s in {S.JOIN_AGREED, *_BROKEN}
+    },
+}
+
+
+def _transition(event: str) -> Callable[[F], F]:
+    """Record the state change an event handler makes, and check it against the table."""
+
+    def wrap(handler: F) -> F:
+        @functools.wraps(handler)
+        def handle(self: ViewChanges, *args: Any) -> Any:
+            before = self.state
+            result = handler(self, *args)
+            self._moved(event, before)
+            return result
+
+        return handle  # type: ignore[return-value]
+
+    return wrap
+
 
 _LOCAL_VERDICT_S = 1.0  # a dropped peer the registry has not ruled on: lost after this
 
@@ -52,17 +131,20 @@ class _Broken:
     lost: dict[int, str] = field(default_factory=dict)  # rank -> how it was lost
     limit: int = 0  # calls numbered up to this still run (members that left did them)
     owed: bool = False  # no call failed yet: the next one must
-    only_left: bool = False  # members only left (closed): the mesh raises their error
+    only_left: bool = False  # members only left (closed): the call table raises their error
 
 
-class ViewKeeper:
-    """Applies the registry's views to one rank's mesh; see the module docstring."""
+class ViewChanges:
+    """Applies the registry's views to one rank; see the module docstring."""
 
-    def __init__(self, mesh: Mesh, registry: RegistryClient, view_timeout: float) -> None:
-        self.mesh = mesh
+    def __init__(
+        self, table: CallTable, links: PeerLinks, registry: RegistryClient, view_timeout: float
+    ) -> None:
+        self.table = table
+        self.links = links
         self.registry = registry
         self.view_timeout = view_timeout
-        self.latest: View | None = mesh.view  # the newest view the registry sent
+        self.latest: View | None = links.view  # the newest view the registry sent
         self.interrupt_on_join = False  # elastic: the first call after a join raises
         self.listeners: list[ViewListener] = []
         self.installed = 0
@@ -72,10 +154,42 @@ class ViewKeeper:
         self._broken: _Broken | None = None
         self._evicted: str | None = None
         self._changed = asyncio.Event()
-        mesh.on_peer_lost = self.peer_disconnected
+        #: (event, state before, state after) of the latest events, oldest first
+        self.history: deque[tuple[str, ViewState, ViewState]] = deque(maxlen=64)
+        links.on_peer_lost = self.peer_disconnected
+
+    @property
+    def state(self) -> ViewState:
+        """The state this rank is in (derived from what it knows; see `TRANSITIONS`)."""
+        if self._evicted is not None:
+            return S.EVICTED
+        if self.links.view is None:
+            return S.JOINING
+        broken = self._broken
+        if broken is not None and broken.epoch == self.links.epoch:
+            return S.MEMBER_LEFT if broken.only_left else S.MEMBER_LOST
+        if self._transitions:
+            return S.JOIN_AGREED
+        if self._gate is not None:
+            return S.JOIN_PROPOSED
+        return S.STEADY
+
+    def _moved(self, event: str, before: ViewState) -> None:
+        after = self.state
+        self.history.append((event, before, after))
+        if after not in TRANSITIONS[event].get(before, frozenset()):
+            log.error("view change %r led from %s to %s: not in TRANSITIONS", event, before, after)
+
+    @_transition("formed")
+    def install_first(self, view: View) -> None:
+        """Install the view this rank joined with (no calls exist yet)."""
+        self.table.enter(view)
+        self.links.enter(view)
+        self.latest = view
 
     # -- the registry's news ------------------------------------------------------------------
 
+    @_transition("view")
     def on_view(self, view: View, change: Change) -> None:
         if self._evicted is not None or view.epoch <= self._newest_epoch():
             return
@@ -92,26 +206,28 @@ class ViewKeeper:
     def _base(self) -> tuple[int, int]:
         """(epoch, next collective id) of the last view this rank has agreed to enter."""
         broken, failed = self._broken, self._failed_view
-        if broken is not None and broken.epoch == self.mesh.epoch and failed is not None:
+        if broken is not None and broken.epoch == self.links.epoch and failed is not None:
             epoch, next_cid = failed.epoch, 1
         else:
-            epoch, next_cid = self.mesh.epoch, self.mesh.next_cid
+            epoch, next_cid = self.links.epoch, self.table.next_cid
         for boundary, view in self._transitions:  # count in the numbering of the last one
             epoch, next_cid = view.epoch, max(next_cid, boundary) - boundary + 1
         return epoch, next_cid
 
+    @_transition("proposal")
     def on_propose(self, epoch: int) -> None:
         if self._evicted is not None:
             return
         broken = self._broken
-        if broken is not None and broken.epoch == self.mesh.epoch and self._failed_view is None:
+        if broken is not None and broken.epoch == self.links.epoch and self._failed_view is None:
             return  # the registry's view of the loss is coming: it replaces the proposal
         base, next_cid = self._base()
         self._gate = (base, next_cid)
         self.registry.ready(epoch, next_cid)
 
+    @_transition("evicted")
     def on_evicted(self, epoch: int, reason: str) -> None:
-        if self._evicted is not None or epoch <= self.mesh.epoch:
+        if self._evicted is not None or epoch <= self.links.epoch:
             return
         self._evicted = (
             f"this worker was evicted from the group at epoch {epoch}: {reason}. Its calls "
@@ -119,16 +235,17 @@ class ViewKeeper:
         )
         log.warning("%s", self._evicted)
         self.registry.stop_heartbeats()
-        self.mesh.fail_all(lambda call: self._evicted_error(call))
+        self.table.fail_all(lambda call: self._evicted_error(call))
         self._wake()
 
+    @_transition("registry back")
     def on_reregister(self) -> None:
         self._gate = None  # the proposal died with the registry that made it
         self._wake()
 
     def peer_disconnected(self, member_id: str) -> None:
         """The transport saw a peer's connection drop without a goodbye."""
-        view = self.mesh.view
+        view = self.links.view
         rank = view.rank_of(member_id) if view is not None else None
         if view is None or rank is None or self._evicted is not None:
             return
@@ -139,44 +256,45 @@ class ViewKeeper:
         loop = asyncio.get_running_loop()
         loop.call_later(_LOCAL_VERDICT_S, self._lost_locally, member_id, view.epoch)
 
+    @_transition("peer dropped")
     def _lost_locally(self, member_id: str, epoch: int) -> None:
-        view = self.mesh.view
+        view = self.links.view
         rank = view.rank_of(member_id) if view is not None else None
         if view is None or rank is None or view.epoch != epoch or self._evicted is not None:
             return  # a new view came, or this rank left
         failed = self._failed_view
-        if rank in self.mesh.closed_after or (failed is not None and failed.epoch > epoch):
+        if rank in self.table.closed_after or (failed is not None and failed.epoch > epoch):
             return  # it said goodbye after all, or the registry's verdict is in
         log.warning("no word from the registry: giving up the calls with rank %d", rank)
         if self._broken is None or self._broken.epoch != view.epoch:
             self._broken = _Broken(view.epoch, owed=True)
         self._broken.only_left = False
         self._broken.lost[rank] = "its connection dropped (the process died or closed)"
-        gave_up = self.mesh.fail_all(self._lost_error)
+        gave_up = self.table.fail_all(self._lost_error)
         self._broken.owed = self._broken.owed and not gave_up
         self._wake()
 
     def _break(self, view: View, change: Change) -> None:
-        mesh_view = self.mesh.view
-        assert mesh_view is not None
+        installed = self.links.view
+        assert installed is not None
         broken = self._broken
-        if broken is None or broken.epoch != mesh_view.epoch:
-            broken = self._broken = _Broken(mesh_view.epoch, limit=1 << 62, owed=True)
+        if broken is None or broken.epoch != installed.epoch:
+            broken = self._broken = _Broken(installed.epoch, limit=1 << 62, owed=True)
         failed = 0
         for member_id, last in change.left:
-            rank = mesh_view.rank_of(member_id)
+            rank = installed.rank_of(member_id)
             if rank is not None:
                 broken.limit = min(broken.limit, last)
-                failed += self.mesh.peer_closed(rank, last)
-        gone = set(change.lost) | {m.id for m in mesh_view.members if view.rank_of(m.id) is None}
+                failed += self.table.peer_closed(rank, last)
+        gone = set(change.lost) | {m.id for m in installed.members if view.rank_of(m.id) is None}
         gone -= {m for m, _ in change.left}
         for member_id in gone:
-            rank = mesh_view.rank_of(member_id)
-            if rank is not None and rank not in self.mesh.closed_after:  # else it left
+            rank = installed.rank_of(member_id)
+            if rank is not None and rank not in self.table.closed_after:  # else it left
                 broken.lost.setdefault(rank, "it was declared dead")
         if broken.lost or not change.left:
             broken.limit = 0  # a loss (or a renewed epoch): nothing more of it runs
-            failed += self.mesh.fail_all(self._lost_error)
+            failed += self.table.fail_all(self._lost_error)
             if not broken.lost:
                 broken.lost[-1] = "the registry renewed the epoch"
         broken.only_left = not broken.lost
@@ -188,41 +306,41 @@ class ViewKeeper:
         """Whether the next collective can start now, with no view work to do first."""
         if self._evicted is not None or self._broken is not None:
             return False
-        cid = self.mesh.next_cid
+        cid = self.table.next_cid
         if self._transitions and cid >= self._transitions[0][0]:
             return False
-        return self._gate is None or (self.mesh.epoch, cid) < self._gate
+        return self._gate is None or (self.links.epoch, cid) < self._gate
 
     async def admit(self) -> None:
-        """Wait until the next collective id of the mesh may be used; install views on
+        """Wait until the next collective id may be used; install views on
         the way. Raises the error a call must fail with instead of running."""
         while True:
             if self._evicted is not None:
                 raise self._evicted_error(None)
-            cid = self.mesh.next_cid
+            cid = self.table.next_cid
             broken = self._broken
-            if broken is not None and broken.epoch == self.mesh.epoch:
+            if broken is not None and broken.epoch == self.links.epoch:
                 if cid <= broken.limit:
                     return
                 if broken.owed:
                     broken.owed = False
                     if not broken.only_left:
                         raise self._lost_error(None)
-                    return  # a leave: the call fails in the mesh (that member closed)
+                    return  # a leave: the call fails at its start (that member closed)
                 await self._install(await self._newer_view())
                 continue
             if self._transitions and cid >= self._transitions[0][0]:
-                _boundary, view = self._transitions.pop(0)
+                _boundary, view = self._transitions[0]  # _apply takes it off the list
                 await self._install(view)
                 if self.interrupt_on_join:
                     raise MembershipChangedError(
                         f"the group changed to {view.size} members at epoch {view.epoch} "
                         "(members joined); state must be synchronised again",
-                        rank=self.mesh.rank,
+                        rank=self.links.rank,
                         epoch=view.epoch,
                     )
                 continue
-            if self._gate is not None and (self.mesh.epoch, cid) >= self._gate:
+            if self._gate is not None and (self.links.epoch, cid) >= self._gate:
                 await self._next_change()
                 continue
             return
@@ -238,36 +356,36 @@ class ViewKeeper:
         if self._evicted is not None:
             raise self._evicted_error(None)
         broken = self._broken
-        if broken is None or broken.epoch != self.mesh.epoch or broken.only_left:
+        if broken is None or broken.epoch != self.links.epoch or broken.only_left:
             return
         if broken.owed and not broken.only_left:
             broken.owed = False
             raise self._lost_error(None)
         latest = self._failed_view
-        if latest is None or latest.epoch <= self.mesh.epoch or self.mesh.calls:
+        if latest is None or latest.epoch <= self.links.epoch or self.table.calls:
             raise MembershipChangedError(
-                f"the group is changing after epoch {self.mesh.epoch} lost members; "
+                f"the group is changing after epoch {self.links.epoch} lost members; "
                 "point-to-point calls resume once the new view is in place (try again)",
-                rank=self.mesh.rank,
-                epoch=self.mesh.epoch,
+                rank=self.links.rank,
+                epoch=self.links.epoch,
             )
         self._apply(latest)
 
     async def _newer_view(self) -> View:
         try:
             async with asyncio.timeout(self.view_timeout):
-                while self._failed_view is None or self._failed_view.epoch <= self.mesh.epoch:
+                while self._failed_view is None or self._failed_view.epoch <= self.links.epoch:
                     if self._evicted is not None:
                         raise self._evicted_error(None)
                     await self._next_change()
         except TimeoutError:
             raise PeerLostError(
-                f"rank {self.mesh.rank} lost members of epoch {self.mesh.epoch} and no new "
+                f"rank {self.links.rank} lost members of epoch {self.links.epoch} and no new "
                 f"view came from the registry at {self.registry.address} within "
                 f"{self.view_timeout:g} s: is the registry running?",
                 lost=sorted(self._broken.lost) if self._broken else (),
-                rank=self.mesh.rank,
-                epoch=self.mesh.epoch,
+                rank=self.links.rank,
+                epoch=self.links.epoch,
             ) from None
         return self._failed_view
 
@@ -276,34 +394,38 @@ class ViewKeeper:
         await self._changed.wait()
 
     async def _install(self, view: View) -> None:
-        """Wait for this epoch's calls to end, then switch the mesh to `view`."""
-        while self.mesh.calls:
-            tasks = [c.task for c in self.mesh.calls.values() if c.task is not None]
+        """Wait for this epoch's calls to end, then install `view`."""
+        while self.table.calls:
+            tasks = [c.task for c in self.table.calls.values() if c.task is not None]
             if not tasks:
                 break
             await asyncio.wait(tasks)
             await asyncio.sleep(0)  # let the calls' done callbacks forget them
         self._apply(view)
 
+    @_transition("installed")
     def _apply(self, view: View) -> None:
-        old = self.mesh.view
+        old = self.links.view
         assert old is not None
-        self.mesh.fail_all(
+        self.table.fail_all(
             lambda call: MembershipChangedError(
                 f"recv from rank {call.peer} was pending when the group moved to epoch "
                 f"{view.epoch}; point-to-point messages do not cross a change of view",
-                rank=self.mesh.rank,
+                rank=self.links.rank,
                 epoch=old.epoch,
                 collective="recv",
             )
         )
-        self.mesh.set_view(view)
+        self.table.enter(view)
+        self.links.enter(view)
+        if self._transitions and self._transitions[0][1] is view:
+            self._transitions.pop(0)  # the agreed join this install completes
         self.installed += 1
         if self._broken is not None and self._broken.epoch < view.epoch:
             self._broken = None
         if self.latest is None or self.latest.epoch < view.epoch:
             self.latest = view
-        log.info("epoch %d: rank %d of %d", view.epoch, self.mesh.rank, view.size)
+        log.info("epoch %d: rank %d of %d", view.epoch, self.links.rank, view.size)
         beacon = self.registry.beacon
         if beacon is not None:
             beacon.beat_now()
@@ -317,18 +439,18 @@ class ViewKeeper:
         self._changed.set()
 
     def _newest_epoch(self) -> int:
-        return max(self.mesh.epoch, self.latest.epoch if self.latest is not None else 0)
+        return max(self.links.epoch, self.latest.epoch if self.latest is not None else 0)
 
     # -- for the application --------------------------------------------------------------------
 
     def next_view(self) -> View:
         """The view the next collective will run in, as far as this rank knows now."""
-        view = self.mesh.view
+        view = self.links.view
         assert view is not None
         broken, failed = self._broken, self._failed_view
         if broken is not None and not broken.only_left and failed is not None:
             return failed if failed.epoch > view.epoch else view
-        if self._transitions and self.mesh.next_cid >= self._transitions[0][0]:
+        if self._transitions and self.table.next_cid >= self._transitions[0][0]:
             return self._transitions[0][1]
         return view
 
@@ -337,7 +459,7 @@ class ViewKeeper:
         latest = self.latest
         if self._transitions:
             return self._transitions[-1][1]
-        if latest is not None and self.mesh.view is not None and latest.epoch > self.mesh.epoch:
+        if latest is not None and self.links.view is not None and latest.epoch > self.links.epoch:
             return latest
         return None
 
@@ -361,8 +483,8 @@ class ViewKeeper:
     def _lost_error(self, call: Call | None) -> PeerLostError:
         broken = self._broken
         lost = dict(broken.lost) if broken is not None else {}
-        epoch = broken.epoch if broken is not None else self.mesh.epoch
-        view = self.mesh.view
+        epoch = broken.epoch if broken is not None else self.links.epoch
+        view = self.links.view
         names = "; ".join(
             f"rank {r} ({view.members[r].describe()}): {why}"
             if view is not None and 0 <= r < view.size
@@ -376,11 +498,11 @@ class ViewKeeper:
         )
         when = "failed" if call is not None else "did not run"
         return PeerLostError(
-            f"{what} {when} on rank {self.mesh.rank}: the group of epoch {epoch} lost "
+            f"{what} {when} on rank {self.links.rank}: the group of epoch {epoch} lost "
             f"{names or 'a member'}. Inputs are unchanged. The next call runs in the new view "
             "of the survivors (restore and re-synchronise state first: dsml.elastic does it)",
             lost=sorted(r for r in lost if r >= 0),
-            rank=self.mesh.rank,
+            rank=self.links.rank,
             epoch=epoch,
             cid=call.cid if call is not None else None,
             collective=call.fingerprint.collective if call is not None else None,
@@ -389,8 +511,8 @@ class ViewKeeper:
     def _evicted_error(self, call: Call | None) -> EvictedError:
         return EvictedError(
             self._evicted or "this worker was evicted",
-            rank=self.mesh.rank,
-            epoch=self.mesh.epoch,
+            rank=self.links.rank,
+            epoch=self.links.epoch,
             cid=call.cid if call is not None else None,
             collective=call.fingerprint.collective if call is not None else None,
         )
