@@ -29,6 +29,7 @@ from .p2p import PointToPoint
 from .placement import Placement
 from .plans import Planner, Request
 from .runner import Runner
+from .survival import Survival
 from .tasks import TaskOwner
 from .view_changes import ViewChanges, ViewListener
 
@@ -62,6 +63,7 @@ class Communicator:
         self._registry = registry
         self._table = CallTable(links, config)
         self._views = ViewChanges(self._table, links, registry, config.view_timeout)
+        self._survival = Survival(links, self._views, registry, tasks)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
         planner = Planner(config.chunk_bytes, self._placement)
         self._runner = Runner(self._table, self._views, planner, tasks, config, loop)
@@ -80,6 +82,7 @@ class Communicator:
         self._views.install_first(view)
         self._registry.attach(self._views)
         self._registry.start_heartbeats(self._progress)
+        self._survival.start()
 
     def _fail(self, exc: BaseException) -> None:
         """A bug in this communicator's own machinery: fail every call, now and later, and
@@ -100,10 +103,19 @@ class Communicator:
     def _progress(self) -> dict[str, Any]:
         """A heartbeat's body (read from the heartbeat thread: plain attribute reads)."""
         started, finished = self._table.started, self._table.finished
+        counters = self._links.counters
         return {
             "epoch": self._links.epoch,
             "started": list(started) if started is not None else None,
             "finished": list(finished) if finished is not None else None,
+            "counters": {
+                "held": self._links.held_now,
+                "held_total": counters["held"],
+                "dropped": self._links.dropped_total,
+                "dropped_foreign": counters["dropped_foreign"],
+                "dropped_over_budget": counters["dropped_over_budget"],
+                "stale": counters["stale"],
+            },
         }
 
     # -- identity ---------------------------------------------------------------------------
@@ -182,10 +194,12 @@ class Communicator:
         """Counters of the data plane: messages dropped as malformed, of an older epoch
         (stale), for a finished call (late), held for a view not seen yet; calls in flight."""
         return {
-            "dropped": self._links.dropped,
+            "dropped": self._links.dropped_total,
             "stale": self._links.counters["stale"] + self._table.counters["stale"],
             "late": self._table.counters["late"],
             "held": self._links.counters["held"],
+            "dropped_foreign": self._links.counters["dropped_foreign"],
+            "dropped_over_budget": self._links.counters["dropped_over_budget"],
             "disconnects": self._links.counters["disconnects"],
             "views_installed": self._views.installed,
             "in_flight": len(self._table.calls),

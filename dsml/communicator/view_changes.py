@@ -36,13 +36,16 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import EvictedError, MembershipChangedError, PeerLostError
+from ..errors import EvictedError, MembershipChangedError, NoQuorumError, PeerLostError
 from ..membership import Change, RegistryClient, View
 from .call import Call
 from .call_table import CallTable
 from .links import PeerLinks
+
+if TYPE_CHECKING:
+    from .survival import Survival
 
 __all__ = ["TRANSITIONS", "ViewChanges", "ViewListener", "ViewState"]
 
@@ -61,12 +64,13 @@ class ViewState(enum.Enum):
     JOIN_AGREED = "join agreed"  # a boundary is agreed: the call there installs the new view
     MEMBER_LEFT = "member left"  # calls up to the leaver's last run; the next fails once
     MEMBER_LOST = "member lost"  # calls in flight failed; the next waits for the new view
+    NO_QUORUM = "no quorum"  # lost members without the registry, no majority: calls fail
     EVICTED = "evicted"  # this rank was declared dead: every call fails (final)
 
 
 S = ViewState
 _ANY = frozenset(ViewState) - {S.JOINING, S.EVICTED}
-_BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST})
+_BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST, S.NO_QUORUM})
 
 #: event -> state before -> the states it may lead to. Everything not listed is a bug.
 TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
@@ -94,11 +98,21 @@ TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
         **{s: frozenset({s, S.MEMBER_LOST}) for s in _ANY},
         S.EVICTED: frozenset({S.EVICTED}),
     },
+    # the survivors agreed on a view without the registry (see survival.py)
+    "agreed": {
+        **{s: frozenset({s, S.MEMBER_LOST, S.MEMBER_LEFT}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # members were lost without the registry and this side is no majority: calls fail
+    # with NoQuorumError until the registry rules
+    "no quorum": {**{s: frozenset({S.NO_QUORUM}) for s in _ANY}, S.EVICTED: frozenset({S.EVICTED})},
     # this rank was declared dead (an eviction of an older epoch changes nothing)
     "evicted": {**{s: frozenset({s, S.EVICTED}) for s in _ANY}, S.EVICTED: frozenset({S.EVICTED})},
     # a call boundary installed the next view (after a loss, a leave or an agreed join)
     "installed": {
-        s: frozenset({S.STEADY, S.JOIN_PROPOSED, S.JOIN_AGREED, S.MEMBER_LOST, S.MEMBER_LEFT})
+        s: frozenset(
+            {S.STEADY, S.JOIN_PROPOSED, S.JOIN_AGREED, S.MEMBER_LOST, S.MEMBER_LEFT, S.NO_QUORUM}
+        )
         for s in {S.JOIN_AGREED, *_BROKEN}
     },
 }
@@ -153,6 +167,11 @@ class ViewChanges:
         self._gate: tuple[int, int] | None = None  # (epoch, cid) from which calls wait
         self._broken: _Broken | None = None
         self._evicted: str | None = None
+        self._no_quorum: NoQuorumError | None = None  # lost without registry and majority
+        #: decides losses while the registry is away (set by `Survival`)
+        self.survival: Survival | None = None
+        #: told of every newer view known (its members' early messages may be held)
+        self.on_announced: Callable[[View], None] = lambda _view: None
         self._changed = asyncio.Event()
         #: (event, state before, state after) of the latest events, oldest first
         self.history: deque[tuple[str, ViewState, ViewState]] = deque(maxlen=64)
@@ -167,6 +186,8 @@ class ViewChanges:
             return S.JOINING
         broken = self._broken
         if broken is not None and broken.epoch == self.links.epoch:
+            if self._no_quorum is not None:
+                return S.NO_QUORUM
             return S.MEMBER_LEFT if broken.only_left else S.MEMBER_LOST
         if self._transitions:
             return S.JOIN_AGREED
@@ -191,9 +212,14 @@ class ViewChanges:
 
     @_transition("view")
     def on_view(self, view: View, change: Change) -> None:
+        self._take_view(view, change)
+
+    def _take_view(self, view: View, change: Change) -> None:
         if self._evicted is not None or view.epoch <= self._newest_epoch():
             return
         self.latest = view
+        self._no_quorum = None  # a newer view rules
+        self.on_announced(view)
         self._gate = None
         if change.boundary is not None and change.previous == self._base()[0]:
             self._transitions.append((change.boundary, view))
@@ -256,6 +282,29 @@ class ViewChanges:
         loop = asyncio.get_running_loop()
         loop.call_later(_LOCAL_VERDICT_S, self._lost_locally, member_id, view.epoch)
 
+    @_transition("agreed")
+    def on_agreed(self, view: View, lost: list[str]) -> None:
+        """The survivors agreed on `view` without the registry: apply it like its view."""
+        installed = self.links.view
+        if installed is None:
+            return
+        self._take_view(view, Change(previous=installed.epoch, lost=tuple(lost)))
+
+    @_transition("no quorum")
+    def on_no_quorum(self, error: NoQuorumError) -> None:
+        """Members were lost while the registry is away and this side is no majority."""
+        view = self.links.view
+        if view is None or self._evicted is not None:
+            return
+        self._no_quorum = error
+        if self._broken is None or self._broken.epoch != view.epoch:
+            self._broken = _Broken(view.epoch, owed=True)
+        self._broken.only_left = False
+        self._broken.lost.setdefault(-1, "no majority of the group is reachable")
+        failed = self.table.fail_all(lambda call: self._no_quorum_error(call))
+        self._broken.owed = self._broken.owed and not failed
+        self._wake()
+
     @_transition("peer dropped")
     def _lost_locally(self, member_id: str, epoch: int) -> None:
         view = self.links.view
@@ -266,6 +315,8 @@ class ViewChanges:
         if rank in self.table.closed_after or (failed is not None and failed.epoch > epoch):
             return  # it said goodbye after all, or the registry's verdict is in
         log.warning("no word from the registry: giving up the calls with rank %d", rank)
+        if self.survival is not None:
+            self.survival.peers_lost([member_id], "disconnected")
         if self._broken is None or self._broken.epoch != view.epoch:
             self._broken = _Broken(view.epoch, owed=True)
         self._broken.only_left = False
@@ -322,6 +373,9 @@ class ViewChanges:
             if broken is not None and broken.epoch == self.links.epoch:
                 if cid <= broken.limit:
                     return
+                if self._no_quorum is not None:
+                    broken.owed = False
+                    raise self._no_quorum_error(None)
                 if broken.owed:
                     broken.owed = False
                     if not broken.only_left:
@@ -377,6 +431,8 @@ class ViewChanges:
                 while self._failed_view is None or self._failed_view.epoch <= self.links.epoch:
                     if self._evicted is not None:
                         raise self._evicted_error(None)
+                    if self._no_quorum is not None:
+                        raise self._no_quorum_error(None)
                     await self._next_change()
         except TimeoutError:
             raise PeerLostError(
@@ -421,6 +477,7 @@ class ViewChanges:
         if self._transitions and self._transitions[0][1] is view:
             self._transitions.pop(0)  # the agreed join this install completes
         self.installed += 1
+        self._no_quorum = None
         if self._broken is not None and self._broken.epoch < view.epoch:
             self._broken = None
         if self.latest is None or self.latest.epoch < view.epoch:
@@ -478,6 +535,10 @@ class ViewChanges:
     def evicted(self) -> bool:
         return self._evicted is not None
 
+    @property
+    def no_quorum(self) -> bool:
+        return self._no_quorum is not None
+
     # -- errors ---------------------------------------------------------------------------------
 
     def _lost_error(self, call: Call | None) -> PeerLostError:
@@ -504,6 +565,21 @@ class ViewChanges:
             lost=sorted(r for r in lost if r >= 0),
             rank=self.links.rank,
             epoch=epoch,
+            cid=call.cid if call is not None else None,
+            collective=call.fingerprint.collective if call is not None else None,
+        )
+
+    def _no_quorum_error(self, call: Call | None) -> NoQuorumError:
+        what = (
+            f"collective #{call.cid} {call.fingerprint.describe()} failed on rank "
+            f"{self.links.rank}: "
+            if call is not None and call.cid
+            else ""
+        )
+        return NoQuorumError(
+            f"{what}{self._no_quorum}",
+            rank=self.links.rank,
+            epoch=self.links.epoch,
             cid=call.cid if call is not None else None,
             collective=call.fingerprint.collective if call is not None else None,
         )
