@@ -39,6 +39,7 @@ T = TypeVar("T")
 Array = Any
 
 _CLOSE_GRACE_S = 2.0  # how long closing waits for background sends (goodbyes, aborts)
+_DRAIN_S = 1.0  # how long a graceful close lets the calls in flight finish
 
 
 class Communicator:
@@ -365,9 +366,16 @@ class Communicator:
         if self._runner.closed:
             return
         await self._link.aclose(cancel=cancel or error is not None)
+        if error is None:  # a graceful leave: calls in flight end as they would
+            await self._runner.drain(_DRAIN_S)
+        withheld = self._runner.withdraw_cancel_aborts()
+        in_flight = min((cid for _epoch, cid in self._table.calls), default=None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
-        last = self._table.next_cid - 1
+        # The peers fail every call after `last` as a member leaving: the first call this
+        # rank did not finish (cancelled by an interrupt, or still in flight) is the one.
+        unfinished = [cid for cid in (withheld, in_flight) if cid is not None]
+        last = min(unfinished) - 1 if unfinished else self._table.next_cid - 1
         self._links.say_goodbye(last, reason)  # peers hear why first: the goodbye carries it
         await self._tasks.aclose(_CLOSE_GRACE_S)  # flushes the goodbye and other sends
         await self._links.aclose()

@@ -98,6 +98,11 @@ TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
         **{s: frozenset({s, S.MEMBER_LOST}) for s in _ANY},
         S.EVICTED: frozenset({S.EVICTED}),
     },
+    # a peer said goodbye: calls up to its last run, the next fails once (a leave)
+    "peer left": {
+        **{s: frozenset({s, S.MEMBER_LEFT}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
     # the survivors agreed on a view without the registry (see survival.py)
     "agreed": {
         **{s: frozenset({s, S.MEMBER_LOST, S.MEMBER_LEFT}) for s in _ANY},
@@ -176,6 +181,7 @@ class ViewChanges:
         #: (event, state before, state after) of the latest events, oldest first
         self.history: deque[tuple[str, ViewState, ViewState]] = deque(maxlen=64)
         links.on_peer_lost = self.peer_disconnected
+        table.on_peer_left = self.peer_left
 
     @property
     def state(self) -> ViewState:
@@ -281,6 +287,24 @@ class ViewChanges:
         # calls with that peer after a while anyway (its goodbye may also still come).
         loop = asyncio.get_running_loop()
         loop.call_later(_LOCAL_VERDICT_S, self._lost_locally, member_id, view.epoch)
+
+    @_transition("peer left")
+    def peer_left(self, rank: int, last: int, failed: int) -> None:
+        """A peer said goodbye after collective `last`: the first call after it fails (once,
+        with MemberLeftError, unless one in flight already did), the next waits for the
+        view without it. Without the registry, the survivors agree on that view."""
+        view = self.links.view
+        if view is None or self._evicted is not None or not 0 <= rank < view.size:
+            return
+        broken = self._broken
+        if broken is None or broken.epoch != view.epoch:
+            broken = self._broken = _Broken(view.epoch, limit=last, owed=True, only_left=True)
+        broken.limit = min(broken.limit, last)
+        broken.owed = broken.owed and not failed
+        self._wake()
+        survival = self.survival
+        if survival is not None and not survival.registry_heard():
+            survival.peers_lost([view.members[rank].id], "left")
 
     @_transition("agreed")
     def on_agreed(self, view: View, lost: list[str]) -> None:
