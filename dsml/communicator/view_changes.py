@@ -95,12 +95,12 @@ TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
     },
     # a peer's connection dropped and the registry did not rule in time
     "peer dropped": {
-        **{s: frozenset({s, S.MEMBER_LOST}) for s in _ANY},
+        **{s: frozenset({s, S.MEMBER_LOST, S.NO_QUORUM}) for s in _ANY},
         S.EVICTED: frozenset({S.EVICTED}),
     },
     # a peer said goodbye: calls up to its last run, the next fails once (a leave)
     "peer left": {
-        **{s: frozenset({s, S.MEMBER_LEFT}) for s in _ANY},
+        **{s: frozenset({s, S.MEMBER_LEFT, S.MEMBER_LOST, S.NO_QUORUM}) for s in _ANY},
         S.EVICTED: frozenset({S.EVICTED}),
     },
     # the survivors agreed on a view without the registry (see survival.py)
@@ -531,6 +531,15 @@ class ViewChanges:
         broken, failed = self._broken, self._failed_view
         if broken is not None and not broken.only_left and failed is not None:
             return failed if failed.epoch > view.epoch else view
+        if (
+            broken is not None
+            and broken.only_left
+            and failed is not None
+            and failed.epoch > view.epoch
+            and not broken.owed
+            and self.table.next_cid > broken.limit
+        ):
+            return failed  # a leave: the calls of the old view are over here
         if self._transitions and self.table.next_cid >= self._transitions[0][0]:
             return self._transitions[0][1]
         return view
