@@ -365,6 +365,7 @@ class Communicator:
         """
         if self._runner.closed:
             return
+        self._survival.stop()
         await self._link.aclose(cancel=cancel or error is not None)
         if error is None:  # a graceful leave: calls in flight end as they would
             await self._runner.drain(_DRAIN_S)
@@ -391,6 +392,7 @@ class Communicator:
         if self._runner.closed:
             return
         self._registry.stop_heartbeats()
+        self._survival.stop()
         await self._links.crash()
         await self._registry.aclose(linger_s=0.0)
         await self._runner.cancel_all()

@@ -64,12 +64,18 @@ class Survival:
         self.agreement: Agreement | None = None
         self.reported: set[str] = set()  # silent peers reported to the registry, this epoch
         self._epoch = 0
+        self._task: asyncio.Task[None] | None = None
         links.on_membership = self.handle_message
         views.survival = self
         views.on_announced = links.announce
 
     def start(self) -> None:
-        self.tasks.spawn(self._run())
+        self._task = self.tasks.spawn(self._run())
+
+    def stop(self) -> None:
+        """Stop watching (closing): the task never ends by itself."""
+        if self._task is not None:
+            self._task.cancel()
 
     # -- the watch ------------------------------------------------------------------------
 
