@@ -55,11 +55,16 @@ async def exact_call(comm: dsml.Communicator) -> tuple[int, int]:
 
 
 async def until_size(comm: dsml.Communicator, size: int, tries: int = 20) -> list[BaseException]:
-    """Call until a call succeeds in a view of `size`; returns the errors met on the way."""
+    """Call until a call succeeds in a view of `size`; returns the errors met on the way.
+    After a NoQuorumError, wait for the registry's next view before calling again."""
     errors: list[BaseException] = []
     for _ in range(tries):
         try:
             got, _epoch = await exact_call(comm)
+        except NoQuorumError as exc:
+            errors.append(exc)
+            await comm.wait_view_change(timeout=10)
+            continue
         except MembershipChangedError as exc:
             errors.append(exc)
             continue
@@ -125,7 +130,7 @@ async def test_a_3_plus_1_partition_without_registry_leaves_one_group_and_heals_
             await exact_call(lone)
         assert cluster.registry.view is not None
         assert cluster.registry.view.size == 3
-        async with dsml.init(address, config=CONFIG) as again:
+        async with dsml.init(address, WORLD, config=CONFIG) as again:
             comms = [*cluster.comms[:3], again]
             results = await asyncio.gather(*(until_size(c, 4) for c in comms))
             assert all(len(e) <= 1 for e in results), results

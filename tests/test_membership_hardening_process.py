@@ -274,7 +274,7 @@ def test_elastic_run_restores_and_goes_on_after_a_graceful_leave(tmp_path):
     on the same step, with MemberLeftError, and finish with identical, exact state."""
     with cluster(tmp_path) as run:
         run.start_registry(*HEARTBEATS)
-        start_scripts(run, ELASTIC, "--steps", "200", "--pause", "0.01")
+        start_scripts(run, ELASTIC, "--steps", "200", "--pause", "0.01", "--log", "INFO")
         run.wait(
             lambda: all(any(e["step"] >= 30 for e in w.of("step")) for w in run.workers),
             "30 steps on every worker",

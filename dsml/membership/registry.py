@@ -94,6 +94,7 @@ class Registry:
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
         self._suspects: set[str] = set()  # being checked
         self._reports: dict[str, set[str]] = {}  # suspect -> members that lost it, this epoch
+        self._reports_from = 0.0  # reports before this (queued while it was away) are old
         self.pool = WorkerPool()  # worker daemons waiting for jobs (`dsml worker`)
         self._started_at = time.monotonic()
         self.stalls = 0  # times the registry found it had not run for a while
@@ -455,6 +456,7 @@ class Registry:
                 late,
             )
             self._started_at = time.monotonic()  # a full timeout of grace, as after a restart
+            self._reports_from = self._started_at + self.config.heartbeat_timeout
 
     def _evict_silent(self) -> None:
         if self._view is None:
@@ -498,7 +500,7 @@ class Registry:
             return
         if view.rank_of(suspect) is None:
             return  # already gone
-        if epoch == self._epoch and suspect != reporter:
+        if epoch == self._epoch and suspect != reporter and time.monotonic() >= self._reports_from:
             reporters = self._reports.setdefault(suspect, set())
             reporters.add(reporter)
             if 2 * len(reporters) > view.size - 1:
@@ -623,6 +625,9 @@ class Registry:
         )
         self._live = {m.id: Liveness(last_seen=now, view_sent=now) for m in view.members}
         self._started_at = now  # a full timeout of grace for everyone to report in
+        # Reports of silent peers queued while the registry was away describe a past
+        # that the adopted view already settled: they only get the connection check.
+        self._reports_from = now + self.config.heartbeat_timeout
         for member_id in lost:
             self._evicted[member_id] = view.epoch
             reason = f"the other members went on without it at epoch {view.epoch}"

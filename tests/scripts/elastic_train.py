@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -63,6 +64,12 @@ def digest(params: np.ndarray) -> str:
 
 
 async def main(args: argparse.Namespace) -> int:
+    if args.log:
+        logging.basicConfig(
+            level=args.log.upper(),
+            format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
+            datefmt="%H:%M:%S",
+        )
     state = State(params=np.arange(8, dtype=np.int64), step=0)
     restarts: list[str] = []
     config = dsml.CommConfig(timeout=args.timeout, view_timeout=args.view_timeout)
@@ -113,6 +120,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--view-timeout", type=float, default=30.0)
+    p.add_argument("--log", default=None, help="log dsml at this level to stderr (DEBUG, INFO)")
     return p.parse_args()
 
 
