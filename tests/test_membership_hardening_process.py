@@ -125,6 +125,7 @@ def run_flood_test(tmp_path: Path, seconds: float) -> None:
         sent = json.loads(out.strip().splitlines()[-1])
         calls = [len(w.of("ok", started)) for w in run.workers]
         run.wait_oks(3, after=time.time())
+        after = rss_bytes(target.proc.pid)
         growth = peak - before
         log_lines = len(target.stderr.read_text().splitlines()) - err_lines
         run.finish()
@@ -133,7 +134,8 @@ def run_flood_test(tmp_path: Path, seconds: float) -> None:
         print(
             f"\nflood of {sent['sent']} envelopes ({sent['bytes'] / 2**20:.0f} MiB) in "
             f"{seconds:g} s: RSS {before / 2**20:.0f} -> peak {peak / 2**20:.0f} MiB "
-            f"(+{growth / 2**20:.0f}), {log_lines} log lines, calls during the flood "
+            f"(+{growth / 2**20:.0f}), after {after / 2**20:.0f} MiB, {log_lines} log lines, "
+            "calls during the flood "
             f"{calls}, target stats {stats}"
         )
         assert sent["sent"] > 100

@@ -36,6 +36,10 @@ __all__ = ["Inbound", "PeerLinks"]
 
 log = logging.getLogger("dsml.communicator")
 
+#: messages queued per connected peer before ZeroMQ stops reading from it: a flood from
+#: one sender (a non-member, say) costs at most this many of its messages in memory, and
+#: the other peers' connections are read in turn meanwhile
+_PEER_RCVHWM = 1024
 _WARN_EVERY_S = 10.0  # one warning line per sender and kind of drop in this interval
 _GOODBYE_GRACE_S = 0.05  # a dropped connection may be a goodbye still on its way
 
@@ -91,6 +95,7 @@ class PeerLinks:
             max_frame_bytes=self.config.max_frame_bytes,
             name="peers",
             curve=self.config.curve,
+            rcvhwm=_PEER_RCVHWM,
         )
         return self._endpoint.address
 
