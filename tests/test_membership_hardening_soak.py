@@ -47,7 +47,7 @@ RUNS = int(os.environ.get("DSML_SOAK_RUNS", "210"))
 BASE_SEED = int(os.environ.get("DSML_SOAK_SEED", "20261124"))
 KINDS = ("kill", "pause", "leave", "join", "registry", "foreign", "mixed")
 LOSSLESS = {"pause", "registry", "foreign"}
-HB = RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=0.6)
+HB = RegistryConfig(heartbeat_interval=0.1, heartbeat_timeout=1.0)  # loaded CI machines
 CONFIG = CommConfig(timeout=6, view_timeout=6, join_timeout=6, registry_timeout=2)
 HANG_S = 20.0
 ROUNDS = 8

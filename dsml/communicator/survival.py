@@ -65,6 +65,7 @@ class Survival:
         self.reported: set[str] = set()  # silent peers reported to the registry, this epoch
         self._epoch = 0
         self._task: asyncio.Task[None] | None = None
+        self.stopped = False
         links.on_membership = self.handle_message
         views.survival = self
         views.on_announced = links.announce
@@ -74,6 +75,7 @@ class Survival:
 
     def stop(self) -> None:
         """Stop watching (closing): the task never ends by itself."""
+        self.stopped = True
         if self._task is not None:
             self._task.cancel()
 
@@ -105,7 +107,7 @@ class Survival:
     def tick(self, now: float) -> None:
         """One round of the watch (also called by tests)."""
         view = self.links.view
-        if view is None or self.links.crashed or self.views.evicted:
+        if view is None or self.stopped or self.links.crashed or self.views.evicted:
             return
         if view.epoch != self._epoch:
             self._epoch, self.agreement, self.reported = view.epoch, None, set()
@@ -135,7 +137,7 @@ class Survival:
     def peers_lost(self, members: list[str], how: str) -> None:
         """These peers are silent, or dropped their connection without a verdict."""
         view = self.links.view
-        if view is None or self.views.evicted:
+        if view is None or self.stopped or self.views.evicted:
             return
         members = [m for m in members if view.rank_of(m) is not None]
         if self.registry_heard() and self.agreement is None:
@@ -168,6 +170,8 @@ class Survival:
 
     def _propose(self, agreement: Agreement) -> None:
         view = agreement.previous
+        if self.links.view is not view:
+            return  # a newer view is installed: this round is over
         body = {"lost": sorted(agreement.proposal())}
         env = Envelope(Kind.VIEW_PROPOSAL, view.epoch, self.links.rank, body=body)
         peers = [r for r, m in enumerate(view.members) if m.id not in agreement.direct]
@@ -176,7 +180,7 @@ class Survival:
     def handle_message(self, rank: int, env: Envelope) -> None:
         """A peer's `ViewProposal` (the links route it here)."""
         view = self.links.view
-        if view is None or self.views.evicted:
+        if view is None or self.stopped or self.views.evicted:
             return
         lost = Fields(env.body, "ViewProposal").get_str_list("lost", view.size)
         agreement = self._agreement(view)

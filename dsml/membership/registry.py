@@ -22,12 +22,12 @@ thread whose identity is the member id plus `.hb`.
   heartbeat timeout has passed since the restart.
 - Away: the registry being unreachable is not the members being dead (`liveness`). Silent
   members are evicted only when they cannot be a group of their own (no strict majority of
-  the view, or disconnected); a registry
-  that was stopped (SIGSTOP, a hung host) credits the time it did not run to everyone and,
-  after a long stall, re-learns the members as after a restart. Survivors of a loss that
-  happened meanwhile agree on a view among themselves (`agreement`) and report it
-  (VIEW_AGREED, or REJOIN when asked about a heartbeat from a newer epoch); the registry
-  adopts it if it descends from its own view (a subset, in the same ring order).
+  the view, or disconnected); a registry that was stopped (SIGSTOP, a hung host) credits
+  the time it did not run to everyone and, after a long stall, re-learns the members as
+  after a restart. Survivors of a loss that happened meanwhile agree on a view among
+  themselves (`agreement`) and report it (VIEW_AGREED, or REJOIN when asked about a
+  heartbeat from a newer epoch); the registry adopts it if it descends from its own view
+  (a subset, in the same ring order).
 
 Malformed messages are dropped and counted; the registry keeps serving.
 """
