@@ -9,7 +9,7 @@
 See README.md and docs/ for concepts, the protocol and the command line.
 """
 
-from . import elastic
+from . import elastic, log
 from ._version import __version__
 from .collectives.ops import ReduceOp
 from .communicator import CollectiveHandle, Communicator, init
@@ -74,5 +74,8 @@ __all__ = [
     "__version__",
     "elastic",
     "init",
+    "log",
     "open_registry",
 ]
+
+log.configure_from_env()  # DSML_LOG_LEVEL=debug shows the library's lines on stderr

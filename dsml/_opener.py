@@ -19,9 +19,21 @@ R = TypeVar("R", bound=AsyncResource)
 class Opener(Generic[R]):
     """`await opener` gives the resource; `async with opener as r` also closes it."""
 
-    def __init__(self, open_fn: Callable[[], Awaitable[R]]) -> None:
+    def __init__(self, open_fn: Callable[[], Awaitable[R]], name: str | None = None) -> None:
         self._open_fn = open_fn
+        # `dsml.init` for the closure `init.<locals>.open_communicator`
+        qualname = getattr(open_fn, "__qualname__", "open")
+        self._name = name or f"dsml.{qualname.split('.<locals>')[0]}"
         self._resource: R | None = None
+
+    def __repr__(self) -> str:
+        # What `asyncio.run(dsml.init())` shows in its "a coroutine was expected" error.
+        var = {"dsml.init": "comm", "dsml.open_registry": "registry"}.get(self._name, "it")
+        return (
+            f"{self._name}(...), which is not a coroutine: use it inside one, as in "
+            f"`async def main(): async with {self._name}(...) as {var}: ...` and then "
+            f"`asyncio.run(main())`"
+        )
 
     def __await__(self) -> Generator[Any, None, R]:
         return self._open().__await__()

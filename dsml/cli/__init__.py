@@ -1,41 +1,99 @@
-"""The `dsml` command (cli layer): registry, run, bench, status, keys.
+"""The `dsml` command (cli layer): registry, worker, run, bench, status, keys.
 
 The CLI is an edge: it reads flags and `DSML_*` variables once and passes frozen
-configuration inward.
+configuration inward. Two options hold for every command and are added here, so each
+command's module need not repeat them:
+
+- `--log-level` (default `DSML_LOG_LEVEL`, else warning), also passed on to the ranks that
+  `dsml run` and `dsml bench` start;
+- `--registry`, wherever a command has it, defaults to `DSML_REGISTRY`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
+from .. import log
 from .._version import __version__
 from ..errors import DsmlError
 from . import bench, keys, registry_cmd, run, status, worker
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 _COMMANDS = (registry_cmd, worker, run, bench, status, keys)
+_LOG_LEVEL_HELP = "debug, info, warning or error (default: $DSML_LOG_LEVEL, else warning)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser of `dsml` and all its commands (the docs' CLI reference is made from it)."""
+    env = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(
         prog="dsml",
         description="Peer-to-peer collectives for machine-learning workers (ZeroMQ + asyncio).",
     )
     parser.add_argument("--version", action="version", version=f"dsml {__version__}")
+    parser.add_argument("--log-level", metavar="LEVEL", type=_log_level, help=_LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for command in _COMMANDS:
         command.add_parser(sub)
+    for command_parser in _subparsers(parser):
+        # SUPPRESS: `dsml --log-level debug run ...` is not undone by run's own default
+        command_parser.add_argument(
+            "--log-level",
+            metavar="LEVEL",
+            type=_log_level,
+            default=argparse.SUPPRESS,
+            help=_LOG_LEVEL_HELP,
+        )
+        _registry_from_env(command_parser, env.get("DSML_REGISTRY"))
     return parser
+
+
+def _log_level(text: str) -> str:
+    try:
+        log.parse_level(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip().lower()
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """Every command's parser, nested ones (`dsml keys generate`) included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                yield child
+                yield from _subparsers(child)
+
+
+def _registry_from_env(parser: argparse.ArgumentParser, registry: str | None) -> None:
+    """Make DSML_REGISTRY the default of a command's --registry (no longer required then)."""
+    for action in parser._actions:
+        if action.dest != "registry":
+            continue
+        if "DSML_REGISTRY" not in (action.help or ""):
+            action.help = f"{action.help or 'registry address'} (default: $DSML_REGISTRY)"
+        if registry and action.default is None:
+            action.default = registry
+            action.required = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `dsml` and `python -m dsml`; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = args.log_level or os.environ.get("DSML_LOG_LEVEL") or "warning"
+    try:
+        log.parse_level(level)
+    except ValueError as exc:
+        parser.error(str(exc))
+    log.configure(level, stream=sys.__stderr__ if args.command == "worker" else None)
+    if args.log_level:  # the ranks of `dsml run` and `dsml bench` inherit it
+        os.environ["DSML_LOG_LEVEL"] = args.log_level
     try:
         code: int = args.handler(args)
     except DsmlError as exc:

@@ -1,9 +1,13 @@
 """`dsml bench`: all_reduce time and bandwidth, nccl-tests style (cli layer).
 
 Runs N ranks on this machine (through the same launcher as `dsml run`) and prints, per size
-and algorithm, the median time of one all_reduce, the algorithm bandwidth (bytes / time)
-and the bus bandwidth (algbw x 2(P-1)/P, comparable across world sizes). Arrays are numpy,
-or cupy with `--device cuda` (rank i on GPU i modulo the GPU count).
+and algorithm, the number of timed calls, the 10th/50th/90th percentiles of the time of one
+all_reduce, the algorithm bandwidth (bytes / median time) and the bus bandwidth
+(algbw x 2(P-1)/P, comparable across world sizes). For `auto` it names the algorithm auto
+chose. Arrays are numpy, or cupy with `--device cuda` (rank i on GPU i modulo the GPU count).
+
+The table (or with `--json`, only the JSON list) goes to stdout; everything else, the ranks'
+own output and errors included, goes to stderr.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import sys
 from typing import Any
 
-from ..collectives import ALL_REDUCE_ALGORITHMS, DTYPES, check_op
+from ..collectives import ALL_REDUCE_ALGORITHMS, DTYPES, check_algorithm, check_op
 from ..config import parse_size
 from ..errors import ConfigError
 from .run import check_device, launch
@@ -41,7 +45,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--algorithm",
         default="auto",
-        help="auto, ring, tree, naive, a comma-separated list, or all (default: auto)",
+        help=f"one of {', '.join(('auto', *ALL_REDUCE_ALGORITHMS))}; a comma-separated "
+        "list of them; or all (default: auto)",
     )
     parser.add_argument(
         "--iters", type=int, default=0, help="timed calls per size (default: by size)"
@@ -52,16 +57,20 @@ def add_parser(sub: Any) -> None:
         help="cpu (numpy arrays) or cuda (cupy arrays, rank i on GPU i modulo the GPU count)",
     )
     parser.add_argument("--registry", help="an existing registry (default: embedded)")
-    parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list with one object per size and algorithm: bytes, algorithm, "
+        "chosen (what auto ran), iterations, p10_s, p50_s, p90_s, algbw_GBps, busbw_GBps",
+    )
     parser.set_defaults(handler=_main)
 
 
 def _algorithms(text: str) -> list[str]:
-    names = ["auto", *ALL_REDUCE_ALGORITHMS] if text == "all" else text.split(",")
-    for name in names:
-        if name != "auto" and name not in ALL_REDUCE_ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {name!r}")
-    return names
+    """The --algorithm list; ConfigError (listing the valid names) for an unknown one."""
+    if text == "all":
+        return ["auto", *ALL_REDUCE_ALGORITHMS]
+    return [check_algorithm(name.strip()) for name in text.split(",")]
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -93,31 +102,34 @@ def _main(args: argparse.Namespace) -> int:
             rows.append(json.loads(line[len(ROW_PREFIX) :]))
             if not args.json:
                 print(format_row(rows[-1]), flush=True)
-        else:
-            print(f"[rank {rank}] {line}", file=sys.stderr if stream == "stderr" else sys.stdout)
+        else:  # stdout holds only the table or the JSON list
+            print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
 
     if not args.json:
         print(header(args.nprocs, args.op, args.dtype, device or "cpu"), flush=True)
     code = asyncio.run(launch(argv, args.nprocs, args.registry, on_line=on_line, device=device))
-    if args.json:
+    if args.json:  # also after a failure: the sizes measured until then
         print(json.dumps(rows, indent=2))
+    if code != 0:
+        print(f"dsml bench: the benchmark failed (exit code {code})", file=sys.stderr)
     return code
 
 
 def header(world_size: int, op: str, dtype: str, device: str = "cpu") -> str:
     return (
         f"# dsml bench: world_size={world_size} op={op} dtype={dtype} device={device}\n"
-        f"# {'bytes':>12} {'algorithm':>12} {'time(us)':>12} {'algbw(GB/s)':>12} "
-        f"{'busbw(GB/s)':>12}"
+        f"# {'bytes':>12} {'algorithm':>14} {'iters':>6} {'p10(us)':>10} {'p50(us)':>10} "
+        f"{'p90(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
     )
 
 
 def format_row(row: dict[str, Any]) -> str:
     name = row["algorithm"]
-    if name == "auto" and row.get("resolved"):
-        name = f"auto({row['resolved']})"
+    if name == "auto" and row.get("chosen"):
+        name = f"auto({row['chosen']})"
     return (
-        f"  {row['bytes']:>12} {name:>12} {row['median_s'] * 1e6:>12.1f} "
+        f"  {row['bytes']:>12} {name:>14} {row['iterations']:>6} {row['p10_s'] * 1e6:>10.1f} "
+        f"{row['p50_s'] * 1e6:>10.1f} {row['p90_s'] * 1e6:>10.1f} "
         f"{row['algbw_GBps']:>12.3f} {row['busbw_GBps']:>12.3f}"
     )
 

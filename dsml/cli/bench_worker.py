@@ -1,8 +1,10 @@
 """One rank of `dsml bench` (run as `python -m dsml.cli.bench_worker`; cli layer).
 
 For every size and algorithm: a few warm-up calls, then timed calls each preceded by a
-barrier. A call's time is the slowest rank's; the median over calls is reported. Rank 0
-prints one `DSML_BENCH_ROW {json}` line per measurement for the `dsml bench` command.
+barrier. A call's time is the slowest rank's. Rank 0 prints one `DSML_BENCH_ROW {json}`
+line per measurement for the `dsml bench` command: the 10th, 50th and 90th percentiles of
+the call times, the number of timed calls, and the algorithm that ran (for `auto`, the one
+it chose).
 
 Arrays live on `comm.device` (DSML_DEVICE, set by `dsml bench --device`): numpy on "cpu",
 cupy on "cuda:N". A cupy all_reduce returns once the result is back on the GPU, so its
@@ -21,7 +23,7 @@ import numpy as np
 
 import dsml
 from dsml.cli.bench import ROW_PREFIX
-from dsml.collectives import DTYPES, choose_all_reduce
+from dsml.collectives import DTYPES
 
 
 def iterations(nbytes: int) -> int:
@@ -47,7 +49,8 @@ def zeros(comm: dsml.Communicator, count: int, dtype: Any) -> Any:
 
 async def measure(
     comm: dsml.Communicator, nbytes: int, algorithm: str, op: str, dtype: Any, iters: int
-) -> float:
+) -> np.ndarray:
+    """The time of each of `iters` timed all_reduce calls, the slowest rank's (seconds)."""
     x = zeros(comm, nbytes // dtype.itemsize, dtype)
     for _ in range(max(2, iters // 5)):
         await comm.all_reduce(x, op, algorithm=algorithm)
@@ -58,19 +61,36 @@ async def measure(
         await comm.all_reduce(x, op, algorithm=algorithm)
         times[i] = time.perf_counter() - start
     await comm.all_reduce(times, "max")
-    return float(np.median(times))
+    return times
 
 
-def row(nbytes: int, size: int, algorithm: str, op: str, median_s: float) -> dict[str, Any]:
-    algbw = nbytes / median_s / 1e9
-    resolved = choose_all_reduce(nbytes, size) if algorithm == "auto" else algorithm
+def chosen_algorithm(comm: dsml.Communicator, nbytes: int, algorithm: str) -> str:
+    """The algorithm that ran at this size, as the communicator recorded it: for `auto`,
+    the one it chose. Call it right after `measure` (whose last call, the max of the
+    times, is of another size)."""
+    for record in reversed(comm.stats()):
+        if record["kind"] == "all_reduce" and record["bytes"] == nbytes:
+            return str(record["algorithm"] or algorithm)
+    return algorithm
+
+
+def row(
+    nbytes: int, size: int, algorithm: str, op: str, times: np.ndarray, chosen: str
+) -> dict[str, Any]:
+    """One measurement as `dsml bench --json` prints it; bandwidths are at the median."""
+    p10, p50, p90 = (float(v) for v in np.percentile(times, [10, 50, 90]))
+    algbw = nbytes / p50 / 1e9
     return {
         "bytes": nbytes,
         "world_size": size,
         "algorithm": algorithm,
-        "resolved": resolved,
+        "chosen": chosen,
         "op": op,
-        "median_s": median_s,
+        "iterations": len(times),
+        "p10_s": p10,
+        "p50_s": p50,
+        "p90_s": p90,
+        "median_s": p50,
         "algbw_GBps": algbw,
         "busbw_GBps": algbw * 2 * (size - 1) / size,
     }
@@ -82,9 +102,10 @@ async def main(args: argparse.Namespace) -> None:
         for nbytes in args.sizes:
             for algorithm in args.algorithms:
                 iters = args.iters or iterations(nbytes)
-                median = await measure(comm, nbytes, algorithm, args.op, dtype, iters)
+                times = await measure(comm, nbytes, algorithm, args.op, dtype, iters)
                 if comm.rank == 0:
-                    result = row(nbytes, comm.world_size, algorithm, args.op, median)
+                    chosen = chosen_algorithm(comm, nbytes, algorithm)
+                    result = row(nbytes, comm.world_size, algorithm, args.op, times, chosen)
                     result["device"] = comm.device
                     print(ROW_PREFIX + json.dumps(result), flush=True)
 

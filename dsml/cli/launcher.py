@@ -35,6 +35,13 @@ _TAIL_LINES = 20
 _CONSEQUENCE_GRACE_S = 2.0  # how long a rank that caused others' failure has to exit
 
 
+def _free_port() -> int:
+    """A TCP port free on loopback now (rank 0's torch store binds it soon after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def rank_environment(
     base: Mapping[str, str],
     rank: int,
@@ -97,11 +104,24 @@ class Failure:
             f"dsml run: rank {self.rank}{where} failed ({describe_exit(self.code)}); "
             "the other ranks were stopped."
         ]
-        if self.tail:
+        error = _error_of(self.tail)
+        if error:  # its traceback was printed above, with the rank's other output
+            lines.append(f"---- rank {self.rank}'s error (traceback above) ----")
+            lines += [f"  {line}" for line in error]
+            lines.append("----")
+        elif self.tail:
             lines.append(f"---- last lines rank {self.rank} wrote to stderr ----")
             lines += [f"  {line}" for line in self.tail]
             lines.append("----")
         return "\n".join(lines)
+
+
+def _error_of(tail: list[str]) -> list[str]:
+    """The exception lines that end a Python traceback in `tail` ([] if it holds none)."""
+    if not any(line.startswith("Traceback (most recent call last)") for line in tail):
+        return []
+    last_frame = max(i for i, line in enumerate(tail) if line.startswith((" ", "Traceback")))
+    return tail[last_frame + 1 :]
 
 
 class Launch:
@@ -133,6 +153,11 @@ class Launch:
         self.failures: list[Failure] = []
         self.interrupted = 0
         self._env = dict(os.environ if env is None else env)
+        if node is None and not (self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT")):
+            # torch.distributed's env:// rendezvous (dist.init_process_group("dsml") under
+            # dsml run) needs a store address, as under torchrun; a user's own values win
+            # (with --nnodes, every node must be given the same: set them).
+            self._env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         self._on_line = on_line
         self._grace_s = grace_s
         self._stdout = stdout or sys.stdout

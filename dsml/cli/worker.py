@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -32,8 +31,7 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument(
         "--registry",
-        default=os.environ.get("DSML_REGISTRY"),
-        help="the cluster's registry address (default: $DSML_REGISTRY)",
+        help="the cluster's registry address",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument("--name", default="", help="name shown by dsml status (default host-pid)")
@@ -60,11 +58,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    # The daemon's own messages go to the real stderr: while a job runs, sys.stderr is the
-    # job's output, forwarded to its client.
-    logging.basicConfig(
-        stream=sys.__stderr__, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+    # The daemon's own log lines go to the real stderr (dsml.cli.main configures that): while
+    # a job runs, sys.stderr is the job's output, forwarded to its client.
     try:
         config = _config(args)
     except ConfigError as exc:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..collectives.group import Lane, Receipt, Received
 from ..errors import ProtocolError
 from ..wire import Envelope, Fingerprint, Kind
+from . import stats
 
 if TYPE_CHECKING:
     from .call_table import CallTable
@@ -103,7 +104,14 @@ class Call:
         parts = () if payload is None else (payload,)
         receipt = links.try_send(peer, env, parts)
         if receipt is None:  # the peer's queue is full: wait for room, or for a failure
-            receipt = await self.unless_failed(links.send_in_turn(peer, env, parts))
+            record = stats.current.get()
+            if record is not None:
+                record.enter(stats.WIRE)
+            try:
+                receipt = await self.unless_failed(links.send_in_turn(peer, env, parts))
+            finally:
+                if record is not None:
+                    record.leave(stats.WIRE)
         return receipt if receipt.done() else _Watched(receipt, self)
 
     async def recv(
@@ -115,9 +123,15 @@ class Call:
         nbytes: int | None = None,
         lane: Lane = Lane.DATA,
     ) -> Received:
-        env, frames = await self.table.mailbox.get(
-            (self.epoch, self.cid), (peer, lane), unless=self.failed
-        )
+        record = stats.current.get()
+        blocked = record.enter_receive(peer) if record is not None else 0
+        try:
+            env, frames = await self.table.mailbox.get(
+                (self.epoch, self.cid), (peer, lane), unless=self.failed
+            )
+        finally:
+            if record is not None:
+                record.leave(blocked)
         if env.step != step or env.chunk != chunk:
             raise ProtocolError(
                 f"collective #{self.cid}: rank {peer} sent step {env.step} chunk {env.chunk} "
@@ -173,8 +187,13 @@ class _Watched:
     async def wait(self) -> None:
         if not self._inner.done():
             waiting = asyncio.ensure_future(self._inner.wait())
+            record = stats.current.get()
+            if record is not None:
+                record.enter(stats.WIRE)
             try:
                 await self._call.unless_failed(waiting)
             finally:
+                if record is not None:
+                    record.leave(stats.WIRE)
                 if not waiting.done():
                     waiting.cancel()  # only our own wait on the tracker, not the send

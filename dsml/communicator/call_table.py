@@ -63,6 +63,9 @@ class CallTable:
         #: told when a peer said goodbye: (its rank, its last collective, calls failed)
         self.on_peer_left: Callable[[int, int, int], None] = lambda _rank, _last, _failed: None
         self._probing: set[tuple[int, int]] = set()
+        #: the tables of sub-communicators (comm.split): a failure of this table's calls
+        #: (a lost member, an eviction) fails theirs too
+        self.children: list[CallTable] = []
         self.inbound: dict[Kind, Inbound] = {
             Kind.CHUNK: self.handle_chunk,
             Kind.CONFIRM: self.handle_chunk,
@@ -158,6 +161,8 @@ class CallTable:
         for call in [*self.calls.values(), *self.receives]:
             if (call.cid > after or call in self.receives) and call.failure is None:
                 failed += call.fail(make_error(call))
+        for child in self.children:
+            failed += child.fail_all(make_error)
         return failed
 
     async def probe(self, call: Call) -> dict[int, int | None]:

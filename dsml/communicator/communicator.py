@@ -11,15 +11,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Iterable
+import json
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from os import PathLike
 from types import TracebackType
 from typing import Any, TypeVar
 
+import numpy as np
+
+from ..collectives.interop import native_arrays, with_native  # torch, JAX, DLPack, buffers
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
-from ..errors import CollectiveAbortedError
+from ..engine.trace import TraceRecorder
+from ..errors import CollectiveAbortedError, ConfigError, MembershipChangedError
 from ..membership import RegistryClient, View
 from ..wire import Fingerprint
+from . import subgroups
 from .call import Call
 from .call_table import CallTable
 from .collective_handle import CollectiveHandle
@@ -29,6 +36,7 @@ from .p2p import PointToPoint
 from .placement import Placement
 from .plans import Planner, Request
 from .runner import Runner
+from .subgroups import Demux
 from .survival import Survival
 from .tasks import TaskOwner
 from .view_changes import ViewChanges, ViewListener
@@ -76,11 +84,16 @@ class Communicator:
         self._on_close: list[Callable[[], Awaitable[None]]] = []
         links.said_goodbye = self._table.closed_after.__contains__
         links.on_bug = tasks.on_crash = self._fail
+        self._loop = loop
+        self._demux = Demux(self._table.inbound)  # the parent's messages, and sub-groups'
+        self._splits = 0  # split/new_group calls so far: numbers sub-groups alike everywhere
+        self._subs: list[Communicator] = []
+        self._views.listeners.append(lambda _old, _new: self._demux.new_epoch())
 
     def open(self, view: View) -> None:
         """Install the first view, route peer messages, and start listening to the registry
         and sending heartbeats."""
-        self._links.route(self._table.inbound)
+        self._links.route(self._demux.routes)
         self._views.install_first(view)
         self._registry.attach(self._views)
         self._registry.start_heartbeats(self._progress)
@@ -212,49 +225,85 @@ class Communicator:
             "next_cid": self._table.next_cid,
         }
 
+    def stats(self) -> list[dict[str, Any]]:
+        """The recent collectives of this rank (oldest first, at most 256), with where their
+        time went.
+
+        Each is a dict: `kind`, `cid`, `epoch`, `bytes`, `algorithm` (what `auto` chose),
+        `outcome` ("ok", "running", "cancelled" or the error's type), and seconds:
+        `total_s` and its split `waiting_s` (for peers to arrive), `wire_s` (data in
+        flight, full queues), `reduce_s`, `copy_s`, `other_s` (the rest). See
+        docs/observability.md.
+        """
+        return [record.as_dict() for record in self._runner.stats.recent]
+
+    def trace(self) -> dict[str, Any]:
+        """The recent collectives, and the engine's ops when it records them
+        (`CommConfig(engine_trace=True)`), as one Chrome / Perfetto trace-event dict."""
+        spans = [record.span() for record in self._runner.stats.recent]
+        if self.config.engine_trace:
+            return self.engine.trace(extra=spans)
+        recorder = TraceRecorder()
+        if spans:
+            recorder.origin = min(span.start for span in spans)
+        return recorder.chrome_trace(f"dsml rank {self.rank}", spans)
+
+    def write_trace(self, path: str | PathLike[str]) -> None:
+        """Write `trace()` to `path` as JSON (open it at https://ui.perfetto.dev)."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.trace(), file)
+
     # -- collectives ------------------------------------------------------------------------
     # Each method builds a `Request` and starts it (`_start`); see docs/architecture.md.
 
+    @native_arrays(writes=True)
     def all_reduce(
         self, x: Array, op: Any = "sum", *, algorithm: str = "auto", timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Reduce x over all ranks, in place on every rank; the handle gives x."""
         return self._start(Request("all_reduce", x, op=op, algorithm=algorithm, timeout=timeout))
 
+    @native_arrays(writes=True)
     def reduce(
         self, x: Array, root: int = 0, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Reduce x onto root (in place there); other ranks get None and keep x."""
         return self._start(Request("reduce", x, op=op, root=root, timeout=timeout))
 
+    @native_arrays(writes=True)
     def broadcast(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Copy root's x into every rank's x (same shape and dtype); the handle gives x."""
         return self._start(Request("broadcast", x, root=root, timeout=timeout))
 
+    @native_arrays(writes=False)
     def all_gather(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Every rank's x concatenated along axis 0 in rank order (a new array)."""
         return self._start(Request("all_gather", x, timeout=timeout))
 
+    @native_arrays(writes=False)
     def gather(
         self, x: Array, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array | None]:
         """Like all_gather, but only root gets the result; others get None."""
         return self._start(Request("gather", x, root=root, timeout=timeout))
 
+    @native_arrays(writes=False)
     def scatter(
         self, x: Array | None = None, root: int = 0, *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
         return self._start(Request("scatter", x, root=root, timeout=timeout))
 
+    @native_arrays(writes=False)
     def reduce_scatter(
         self, x: Array, op: Any = "sum", *, timeout: float | None = None
     ) -> CollectiveHandle[Array]:
         """Rank r receives the reduction of numpy.array_split(x, world_size)[r]."""
         return self._start(Request("reduce_scatter", x, op=op, timeout=timeout))
 
+    @native_arrays(writes=False)
     def all_to_all(self, x: Array, *, timeout: float | None = None) -> CollectiveHandle[Array]:
         """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
         concatenated in rank order."""
@@ -277,8 +326,114 @@ class Communicator:
             return self._engine_link.queue(request)
         return self._runner.collective(request)
 
+    # -- sub-communicators ------------------------------------------------------------------
+
+    async def split(
+        self,
+        color: int | None,
+        key: int | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the all_gather's, as on every call)
+    ) -> Communicator | None:
+        """Split the group into sub-communicators, one per colour (MPI_Comm_split).
+
+        Every rank calls it (it is a collective). Ranks that pass the same `color` (an int
+        >= 0) form one sub-communicator, ranked by `key` (default 0), ties broken by their
+        rank here; a rank that passes None gets None. Collectives on a sub-communicator run
+        concurrently with this communicator's; a lost member fails the calls of both, and
+        after a change of view the sub-communicator refuses calls (split again).
+
+        Raises:
+            ConfigError: on every rank, if any rank passed an invalid color or key.
+        """
+        index = self._take_split()
+        valid = subgroups.check_split_args(color, key)
+        row = [int(valid), int(color is not None and valid), 0, 0]
+        if valid:
+            row[2], row[3] = color or 0, key or 0
+        rows = await self.all_gather(np.array([row], dtype=np.int64), timeout=timeout)
+        self._check_same_view(len(rows))
+        bad = [r for r, (ok, *_rest) in enumerate(rows.tolist()) if not ok]
+        if bad:
+            raise ConfigError(
+                f"comm.split: rank(s) {bad} passed an invalid color or key (color: an int >= 0 "
+                "or None; key: an int or None); no sub-communicator was made"
+            )
+        mine = subgroups.split_members([r[1:] for r in rows.tolist()], self._links.rank)
+        if mine is None:
+            return None
+        color_index, members = mine
+        return self._sub(subgroups.group_id(index, color_index), members)
+
+    async def new_group(
+        self,
+        ranks: Sequence[int],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the all_gather's, as on every call)
+    ) -> Communicator | None:
+        """A sub-communicator of `ranks` (sub-rank i is ranks[i]); None on other ranks.
+
+        Every rank calls it with the same list (it is a collective).
+
+        Raises:
+            ConfigError: on every rank, if the lists differ or one is invalid.
+        """
+        index = self._take_split()
+        members = list(ranks) if isinstance(ranks, Sequence) else []
+        valid = (
+            bool(members)
+            and all(type(r) is int and 0 <= r < self.world_size for r in members)
+            and len(set(members)) == len(members)
+        )
+        row = np.array([int(valid), *(members if valid else [])], dtype=np.int64)
+        flat = (await self.all_gather(row, timeout=timeout)).tolist()
+        self._check_same_view(self._links.size)
+        lists, at = [], 0
+        for _ in range(self.world_size):  # each rank's row: valid, then its ranks if valid
+            ok = flat[at]
+            count = len(members) if ok and valid else 0
+            if ok and not valid:
+                raise ConfigError(
+                    f"comm.new_group: rank {self.rank} passed an invalid list {ranks!r} "
+                    f"(distinct ranks in 0..{self.world_size - 1}); no group was made"
+                )
+            lists.append(flat[at + 1 : at + 1 + count] if ok else None)
+            at += 1 + count
+        if at != len(flat) or any(other != members for other in lists):
+            raise ConfigError(
+                "comm.new_group: the ranks did not all pass the same valid list of ranks "
+                f"(this rank passed {ranks!r}); no group was made"
+            )
+        if self._links.rank not in members:
+            return None
+        return self._sub(subgroups.group_id(index, 0), members)
+
+    def _check_same_view(self, gathered: int) -> None:
+        """The group must not have changed between the all_gather and making the group."""
+        if gathered != self._links.size:
+            raise MembershipChangedError(
+                f"the group changed while rank {self._links.rank} was splitting it (epoch "
+                f"{self._links.epoch}); split again once the new view is in place",
+                rank=self._links.rank,
+                epoch=self._links.epoch,
+            )
+
+    def _take_split(self) -> int:
+        if isinstance(self._links, subgroups.SubLinks):
+            raise ConfigError("a sub-communicator cannot be split again: split its parent instead")
+        self._splits += 1
+        return self._splits
+
+    def _sub(self, group: int, members: list[int]) -> Communicator:
+        from .sub_communicator import SubCommunicator
+
+        sub = SubCommunicator(self, group, members)
+        self._subs.append(sub)
+        return sub
+
     # -- point to point ---------------------------------------------------------------------
 
+    @native_arrays(writes=False)
     def send(
         self, x: Array, dst: int, *, tag: int = 0, timeout: float | None = None
     ) -> CollectiveHandle[None]:
@@ -349,20 +504,26 @@ class Communicator:
         leaving the ranks' collective ids out of step. `algorithm` and `timeout` are
         all_reduce's.
         """
-        return self._engine_link.push_collective(
-            tagged,
-            read,
-            Request("all_reduce", tagged.data, op=op, algorithm=algorithm, timeout=timeout),
+        return with_native(  # torch, JAX, DLPack data: as for all_reduce
+            tagged.data,
+            True,
+            lambda data: self._engine_link.push_collective(
+                tagged,
+                read,
+                Request("all_reduce", data, op=op, algorithm=algorithm, timeout=timeout),
+            ),
         )
 
     def push_broadcast(
         self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
     ) -> OpHandle[Array]:
         """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
-        return self._engine_link.push_collective(
-            tagged,
-            (),
-            Request("broadcast", tagged.data, root=root, timeout=timeout),
+        return with_native(
+            tagged.data,
+            True,
+            lambda data: self._engine_link.push_collective(
+                tagged, (), Request("broadcast", data, root=root, timeout=timeout)
+            ),
         )
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -377,6 +538,8 @@ class Communicator:
         if self._runner.closed:
             return
         self._survival.stop()
+        for sub in list(self._subs):  # they say goodbye in their group before we do
+            await sub.aclose(error=error, cancel=cancel)
         await self._engine_link.aclose(cancel=cancel or error is not None)
         if error is None:  # a graceful leave: calls in flight end as they would
             await self._runner.drain(_DRAIN_S)
@@ -404,6 +567,8 @@ class Communicator:
         at once, calls in flight cancelled (see `dsml.testing.crash`)."""
         if self._runner.closed:
             return
+        for sub in list(self._subs):
+            await sub._crash()
         self._registry.stop_heartbeats()
         self._survival.stop()
         await self._links.crash()

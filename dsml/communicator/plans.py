@@ -39,6 +39,7 @@ from ..collectives.group import wait_receipts
 from ..errors import ConfigError
 from ..wire import Fingerprint
 from .call import Call
+from .stats import timed
 
 if TYPE_CHECKING:
     from .placement import Placement
@@ -137,7 +138,7 @@ class Planner:
         x: object, what: str = "x", *, writable: bool = False
     ) -> tuple[Array, ArrayBackend, str]:
         """(x as a plain array sharing its memory, its backend, its dtype's wire name)."""
-        be = backend_of(x, what)
+        be = timed(backend_of(x, what))  # reductions and copies count in comm.stats()
         name = dtype_name(x.dtype)  # type: ignore[attr-defined]
         if writable and not getattr(x.flags, "writeable", True):  # type: ignore[attr-defined]
             raise ConfigError(f"{what} is read-only, but this collective writes its result into it")

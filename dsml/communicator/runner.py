@@ -16,7 +16,9 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
+import logging
 import math
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -33,6 +35,8 @@ from .call_table import CallTable
 from .collective_handle import CollectiveHandle
 from .diagnose import timeout_message
 from .plans import Plan, Planner, Request
+from .stats import CallStats, profiler_span
+from .stats import current as current_record
 from .tasks import TaskOwner
 from .view_changes import ViewChanges
 
@@ -45,6 +49,8 @@ __all__ = ["Runner"]
 _CANCEL_ABORT_DELAY_S = 0.05
 
 T = TypeVar("T")
+
+log = logging.getLogger("dsml.communicator")
 
 
 class Runner:
@@ -73,6 +79,7 @@ class Runner:
         self._deferred = 0  # calls waiting for a change of view, in program order
         self._waiting: set[asyncio.Task[Any]] = set()  # ... and their tasks
         self._admission = asyncio.Lock()
+        self.stats = CallStats()  # the recent calls and where their time went
 
     def budget(self, timeout: float | None) -> float:
         """A call's timeout in seconds (the configured default when None)."""
@@ -206,6 +213,28 @@ class Runner:
         self._table.forget(cid)
 
     async def _run(self, call: Call, plan: Plan) -> Any:
+        """Run the call, recording its time split (`comm.stats()`); one debug line each."""
+        fp = call.fingerprint
+        record = self.stats.begin(fp.collective, call.cid, call.epoch, fp)
+        token = current_record.set(record)  # in this task's own context: this call only
+        span = profiler_span(fp.collective)
+        try:
+            result = await self._run_call(call, plan)
+            record.outcome = "ok"
+            return result
+        except BaseException as exc:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            record.outcome = "cancelled" if cancelled else type(exc).__name__
+            raise
+        finally:
+            record.end = time.perf_counter()
+            if span is not None:
+                span.__exit__(None, None, None)
+            current_record.reset(token)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(record.describe(), extra={"rank": self._table.rank, "epoch": call.epoch})
+
+    async def _run_call(self, call: Call, plan: Plan) -> Any:
         deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
         try:
             error = call.failure or self._table.check_start(call)

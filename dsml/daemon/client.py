@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import os
 import secrets
@@ -99,6 +100,12 @@ class WorkerInfo:
         )
 
 
+def _write(stream: str, text: str) -> None:
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    out.write(text)
+    out.flush()
+
+
 class _Job:
     """The client's side of one job: per rank, its acceptance and its outcome."""
 
@@ -115,6 +122,10 @@ class _Job:
         self.errors: list[RemoteError] = []  # in the order they arrived
         self.partial: dict[tuple[int, str], str] = {}  # an output line still being written
         self.config: dict[str, Any] = {}  # CommConfig settings for the job's communicator
+        # The caller's context: output printed in it reaches the caller's notebook cell
+        # (ipykernel routes output by a context variable; replies arrive in the context of
+        # whichever call opened the connection).
+        self.context = contextvars.copy_context()
         for future in self.results:
             future.add_done_callback(_consume)
 
@@ -526,10 +537,8 @@ class Client:
         *lines, rest = text.split("\n")
         if rest:
             job.partial[key] = rest
-        out = sys.stderr if stream == "stderr" else sys.stdout
         if lines:
-            out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-            out.flush()
+            job.context.run(_write, stream, "".join(f"[rank {rank}] {line}\n" for line in lines))
 
     def _flush_output(self, job: _Job, rank: int) -> None:
         for stream in ("stdout", "stderr"):

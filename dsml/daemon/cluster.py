@@ -59,7 +59,8 @@ class LocalCluster:
     Args:
         n_workers: how many `dsml worker` processes to start.
         device: "cpu" (default), "cuda" (worker i gets GPU i % count) or "cuda:N".
-        heartbeat_interval, heartbeat_timeout: the registry's settings.
+        heartbeat_interval: seconds between heartbeats (the registry's setting).
+        heartbeat_timeout: a worker silent this long is declared dead (the registry's).
         startup_timeout: seconds to wait for every process to be up and listed.
         env: extra environment variables for the processes.
         threads_per_worker: OMP_NUM_THREADS of each worker (unless `env` sets it).

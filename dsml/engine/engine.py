@@ -42,7 +42,7 @@ import inspect
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from os import PathLike
 from typing import Any
@@ -137,13 +137,14 @@ class Engine(EngineBase):
         self._check_var(var)
         var._poison_src = None
 
-    def write_trace(self, path: str | PathLike[str]) -> None:
+    def write_trace(self, path: str | PathLike[str], extra: Iterable[Span] = ()) -> None:
         """Write the recorded ops as a Chrome / Perfetto trace (JSON) to `path`."""
-        self._recorder().write(path, f"dsml engine {self.name}")
+        self._recorder().write(path, f"dsml engine {self.name}", extra)
 
-    def trace(self) -> dict[str, Any]:
-        """The recorded ops as a Chrome trace-event dict (what `write_trace` writes)."""
-        return self._recorder().chrome_trace(f"dsml engine {self.name}")
+    def trace(self, extra: Iterable[Span] = ()) -> dict[str, Any]:
+        """The recorded ops as a Chrome trace-event dict (what `write_trace` writes), with
+        `extra` spans beside them (a communicator adds its collectives)."""
+        return self._recorder().chrome_trace(f"dsml engine {self.name}", extra)
 
     def _recorder(self) -> TraceRecorder:
         if self._tracer is None:

@@ -9,7 +9,9 @@ the loop). Times come from `time.perf_counter()`, the same clock in every thread
 since the engine was created). Each pool thread is one track. Loop spans overlap one
 another (many collectives can be in flight at once) and a track must hold properly nested
 slices, so loop spans are packed into as few "loop" lanes as possible (interval
-partitioning by start time). Open the file at https://ui.perfetto.dev ("Open trace
+partitioning by start time). A communicator adds its collectives as spans of their own
+place, "collectives" (packed into lanes the same way, their timings in `args`), through
+`chrome_trace(..., extra=...)`. Open the file at https://ui.perfetto.dev ("Open trace
 file") or chrome://tracing to see compute and communication overlap.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import heapq
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -42,6 +45,7 @@ class Span:
     outcome: str
     reads: tuple[str, ...]
     mutates: tuple[str, ...]
+    args: dict[str, Any] | None = None  # more to show with the slice (collectives: timings)
 
 
 class TraceRecorder:
@@ -55,21 +59,30 @@ class TraceRecorder:
         """Record one span."""
         self.spans.append(span)
 
-    def chrome_trace(self, process_name: str) -> dict[str, Any]:
-        """Return the whole trace as a JSON-able dict."""
+    def chrome_trace(self, process_name: str, extra: Iterable[Span] = ()) -> dict[str, Any]:
+        """Return the whole trace as a JSON-able dict, with `extra` spans (a communicator's
+        collectives) beside the recorded ones."""
+        spans = [*self.spans, *extra]
         events = [_meta("process_name", 0, {"name": process_name})]
-        events += self._pool_events() + self._loop_events()
+        events += self._pool_events(spans)
+        for place, title, first_tid in (
+            ("loop", "event loop", 1),
+            ("collectives", "collectives", 500),
+        ):
+            events += self._lane_events([s for s in spans if s.place == place], title, first_tid)
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
-    def write(self, path: str | PathLike[str], process_name: str) -> None:
+    def write(
+        self, path: str | PathLike[str], process_name: str, extra: Iterable[Span] = ()
+    ) -> None:
         """Write the trace to `path` as JSON."""
         with open(path, "w", encoding="utf-8") as file:
-            json.dump(self.chrome_trace(process_name), file)
+            json.dump(self.chrome_trace(process_name, extra), file)
 
-    def _pool_events(self) -> list[dict[str, Any]]:
+    def _pool_events(self, spans: list[Span]) -> list[dict[str, Any]]:
         tids: dict[int, int] = {}
         events: list[dict[str, Any]] = []
-        for span in self.spans:
+        for span in spans:
             if span.place != "pool":
                 continue
             if span.thread not in tids:
@@ -79,18 +92,18 @@ class TraceRecorder:
             events.append(self._event(span, tids[span.thread]))
         return events
 
-    def _loop_events(self) -> list[dict[str, Any]]:
-        spans = sorted((s for s in self.spans if s.place == "loop"), key=lambda s: s.start)
-        free: list[tuple[float, int]] = []  # (end of the lane's last span, lane)
+    def _lane_events(self, spans: list[Span], title: str, first_tid: int) -> list[dict[str, Any]]:
+        """Overlapping spans packed into as few lanes (tracks) as possible."""
+        free: list[tuple[float, int]] = []  # (end of the lane's last span, lane's tid)
         lanes = 0
         events: list[dict[str, Any]] = []
-        for span in spans:
+        for span in sorted(spans, key=lambda s: s.start):
             if free and free[0][0] <= span.start:
                 _, lane = heapq.heappop(free)
             else:
+                lane = first_tid + lanes
                 lanes += 1
-                lane = lanes
-                events.append(_meta("thread_name", lane, {"name": f"event loop, lane {lane}"}))
+                events.append(_meta("thread_name", lane, {"name": f"{title}, lane {lanes}"}))
                 events.append(_meta("thread_sort_index", lane, {"sort_index": lane}))
             heapq.heappush(free, (span.end, lane))
             events.append(self._event(span, lane))
@@ -105,7 +118,9 @@ class TraceRecorder:
             "dur": max(0.0, span.end - span.start) * 1e6,
             "pid": _PID,
             "tid": tid,
-            "args": {
+            "args": span.args
+            if span.args is not None
+            else {
                 "seq": span.seq,
                 "outcome": span.outcome,
                 "read": list(span.reads),

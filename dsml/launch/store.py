@@ -19,7 +19,7 @@ __all__ = ["lookup_registry", "publish_registry"]
 
 def _client(store: tuple[str, int], timeout_s: float) -> Any:
     try:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        from torch.distributed import TCPStore  # type: ignore[attr-defined,unused-ignore]
     except ImportError as exc:
         raise ConfigError(
             "TORCHELASTIC_USE_AGENT_STORE=True: reading torchrun's store needs torch "

@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from ..errors import ConfigError, DsmlError, ProtocolError
+from ..log import Throttle
 from ..wire import MAX_ENVELOPE_BYTES, Envelope, decode, encode
 from .context import check_address, new_socket
 from .curve import Curve, make_curve_client, make_curve_server
@@ -50,6 +51,7 @@ _BATCH = 256  # messages handled before the reader yields to other tasks
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _FULL_POLL_S = 0.001  # re-try interval of a send that found the queue full (rare)
+_DROP_LOG_INTERVAL_S = 10.0  # a flood of bad messages: one line per sender per interval
 
 
 class _Reader:
@@ -76,6 +78,7 @@ class _Reader:
         self._handler = handler
         self._routed = routed
         self._max_envelope_bytes = max_envelope_bytes
+        self._drop_log = Throttle(_DROP_LOG_INTERVAL_S)
         self._scheduled = False
         self._closed = False
         self._loop = asyncio.get_running_loop()
@@ -118,13 +121,17 @@ class _Reader:
             env = decode(parts[0].buffer, max_bytes=self._max_envelope_bytes)
         except ProtocolError as exc:
             self.dropped += 1
-            log.warning("dropped a malformed message from %r: %s", sender[:32], exc)
+            self._drop_log.warning(
+                log, sender, "dropped a malformed message from %r: %s", sender[:32], exc
+            )
             return
         try:
             self._handler(sender, env, [frame.buffer for frame in parts[1:]])
         except ProtocolError as exc:
             self.dropped += 1
-            log.warning("dropped a %s message from %r: %s", env.kind.name, sender[:32], exc)
+            self._drop_log.warning(
+                log, sender, "dropped a %s message from %r: %s", env.kind.name, sender[:32], exc
+            )
         except Exception:  # a handler bug must not kill the only reader of the socket
             self.dropped += 1
             log.exception("handler failed on a %s message; message dropped", env.kind.name)

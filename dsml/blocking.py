@@ -1,0 +1,420 @@
+"""The blocking API: dsml's collectives for synchronous code (adapter layer).
+
+    import dsml.blocking, numpy as np
+
+    with dsml.blocking.init() as comm:          # same arguments as dsml.init
+        x = np.ones(4)
+        comm.all_reduce(x)                      # blocks; x is reduced in place
+        h = comm.all_reduce(y, async_op=True)   # starts now; h.wait() / h.done()
+
+Each blocking communicator owns an asyncio event loop running on a background thread;
+the async `Communicator` lives there, and every call here hands its work to that loop
+and, unless `async_op=True`, waits for the result. Calls made in the same order on every
+rank match each other, as with the async API. Ctrl-C while a call waits cancels that
+collective (the peers fail with `CollectiveAbortedError` instead of waiting) and raises
+KeyboardInterrupt; the communicator stays usable. `close()` (or leaving `with`) closes the
+communicator and joins the thread. The dependency engine is reachable as `comm.engine`.
+
+Nothing here imports torch or JAX; arrays of every kind the async API takes are taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+from .communicator import Communicator
+from .communicator import init as async_init
+from .engine import Engine, Tagged, Var
+from .errors import ConfigError
+from .membership import View
+
+__all__ = ["BlockingCommunicator", "BlockingEngine", "Handle", "LoopThread", "init"]
+
+T = TypeVar("T")
+Array = Any
+
+
+class Handle(Generic[T]):
+    """An operation started on the communicator's loop; `wait()` gives its result."""
+
+    __slots__ = ("_future", "what")
+
+    def __init__(self, future: concurrent.futures.Future[T], what: str) -> None:
+        self._future = future
+        self.what = what
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the operation ends; return its result or raise its error.
+
+        Args:
+            timeout: seconds to wait (None: as long as it takes). Running out raises
+                TimeoutError and leaves the operation running: wait again or `cancel()`.
+
+        Ctrl-C (KeyboardInterrupt) while waiting cancels the operation, then re-raises.
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._future.done():
+                raise  # the operation itself raised a TimeoutError
+            raise TimeoutError(
+                f"{self.what} is still running after {timeout} s; wait() again or cancel() it"
+            ) from None
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def done(self) -> bool:
+        """True once the operation has finished (succeeded, failed or been cancelled)."""
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        """Cancel the operation; the peers of a cancelled collective fail instead of waiting."""
+        return self._future.cancel()
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "running"
+        return f"<Handle {self.what} {state}>"
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread, and blocking ways into it."""
+
+    def __init__(self, name: str = "dsml-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                gather = asyncio.gather(*pending, return_exceptions=True)
+                self.loop.run_until_complete(gather)
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def start(self, awaitable: Awaitable[T], what: str) -> Handle[T]:
+        """Await `awaitable` on the loop; return its handle at once."""
+        coro = awaitable if isinstance(awaitable, Coroutine) else _outcome(awaitable)
+        return Handle(asyncio.run_coroutine_threadsafe(coro, self.loop), what)
+
+    def run(self, awaitable: Awaitable[T], what: str) -> T:
+        """Await `awaitable` on the loop and wait for it (Ctrl-C cancels it)."""
+        return self.start(awaitable, what).wait()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Call `fn()` on the loop's thread and return what it returns."""
+
+        async def on_loop() -> T:
+            return fn()
+
+        return self.run(on_loop(), getattr(fn, "__name__", "call"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the loop (tasks still running are cancelled) and join the thread."""
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+
+    def __repr__(self) -> str:
+        return f"<LoopThread {self._thread.name} {'running' if self.alive else 'stopped'}>"
+
+
+async def _outcome(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+class BlockingCommunicator:
+    """A communicator whose calls block (see the module docstring). Make with `init`."""
+
+    def __init__(self, comm: Communicator, loop: LoopThread) -> None:
+        self._comm = comm
+        self._loop = loop
+        self._engine: BlockingEngine | None = None
+        self._closed = False
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self._comm.epoch
+
+    @property
+    def view(self) -> View:
+        return self._comm.view
+
+    @property
+    def device(self) -> str:
+        return self._comm.device
+
+    @property
+    def async_comm(self) -> Communicator:
+        """The async communicator underneath (use it from `loop` only)."""
+        return self._comm
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the communicator runs on (on its own thread)."""
+        return self._loop.loop
+
+    def statistics(self) -> dict[str, int]:
+        return self._loop.call(self._comm.statistics)
+
+    def wait_view_change(self, timeout: float | None = None) -> View:
+        """Block until the registry announces a newer view; return it."""
+        return self._loop.run(self._comm.wait_view_change(timeout), "wait_view_change")
+
+    # -- collectives ------------------------------------------------------------------------
+    # Each returns the async method's result (x itself for in-place calls), or with
+    # async_op=True a Handle whose wait() gives it.
+
+    def all_reduce(
+        self,
+        x: Array,
+        op: Any = "sum",
+        *,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce x over all ranks, in place on every rank; returns x (see `dsml.init`)."""
+        return self._issue(
+            "all_reduce",
+            lambda c: c.all_reduce(x, op, algorithm=algorithm, timeout=timeout),
+            async_op,
+        )
+
+    def reduce(
+        self,
+        x: Array,
+        root: int = 0,
+        op: Any = "sum",
+        *,
+        timeout: float | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce x onto root (in place there); other ranks get None and keep x."""
+        return self._issue("reduce", lambda c: c.reduce(x, root, op, timeout=timeout), async_op)
+
+    def broadcast(
+        self, x: Array, root: int = 0, *, timeout: float | None = None, async_op: bool = False
+    ) -> Any:
+        """Copy root's x into every rank's x; returns x."""
+        return self._issue("broadcast", lambda c: c.broadcast(x, root, timeout=timeout), async_op)
+
+    def all_gather(self, x: Array, *, timeout: float | None = None, async_op: bool = False) -> Any:
+        """Every rank's x concatenated along axis 0 in rank order (a new array)."""
+        return self._issue("all_gather", lambda c: c.all_gather(x, timeout=timeout), async_op)
+
+    def gather(
+        self, x: Array, root: int = 0, *, timeout: float | None = None, async_op: bool = False
+    ) -> Any:
+        """Like all_gather, but only root gets the result; others get None."""
+        return self._issue("gather", lambda c: c.gather(x, root, timeout=timeout), async_op)
+
+    def scatter(
+        self,
+        x: Array | None = None,
+        root: int = 0,
+        *,
+        timeout: float | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Rank r receives numpy.array_split(root's x, world_size)[r]; non-roots pass None."""
+        return self._issue("scatter", lambda c: c.scatter(x, root, timeout=timeout), async_op)
+
+    def reduce_scatter(
+        self, x: Array, op: Any = "sum", *, timeout: float | None = None, async_op: bool = False
+    ) -> Any:
+        """Rank r receives the reduction of numpy.array_split(x, world_size)[r]."""
+        return self._issue(
+            "reduce_scatter", lambda c: c.reduce_scatter(x, op, timeout=timeout), async_op
+        )
+
+    def all_to_all(self, x: Array, *, timeout: float | None = None, async_op: bool = False) -> Any:
+        """Part j of numpy.array_split(x, world_size) goes to rank j; parts received are
+        concatenated in rank order."""
+        return self._issue("all_to_all", lambda c: c.all_to_all(x, timeout=timeout), async_op)
+
+    def barrier(self, *, timeout: float | None = None, async_op: bool = False) -> Any:
+        """Return once every rank has entered the barrier."""
+        return self._issue("barrier", lambda c: c.barrier(timeout=timeout), async_op)
+
+    def send(
+        self,
+        x: Array,
+        dst: int,
+        *,
+        tag: int = 0,
+        timeout: float | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Send x to rank dst; returns once x may be modified again."""
+        return self._issue("send", lambda c: c.send(x, dst, tag=tag, timeout=timeout), async_op)
+
+    def recv(
+        self, src: int, *, tag: int = 0, timeout: float | None = None, async_op: bool = False
+    ) -> Any:
+        """Receive the next array rank src sent with this tag (a new numpy or cupy array)."""
+        return self._issue("recv", lambda c: c.recv(src, tag=tag, timeout=timeout), async_op)
+
+    def _issue(
+        self, what: str, start: Callable[[Communicator], Awaitable[Any]], async_op: bool
+    ) -> Any:
+        if self._closed:
+            raise ConfigError(f"{what}: this communicator is closed")
+        # Started from this thread: the communicator hands the start to its loop and
+        # returns once the call has its collective id (program order), raising bad
+        # arguments here; the result is then awaited on the loop.
+        handle = self._loop.start(start(self._comm), what)
+        return handle if async_op else handle.wait()
+
+    # -- the dependency engine --------------------------------------------------------------
+
+    @property
+    def engine(self) -> BlockingEngine:
+        """This rank's dependency engine, driven from this thread."""
+        if self._engine is None:
+            self._engine = BlockingEngine(self._loop.call(lambda: self._comm.engine), self)
+        return self._engine
+
+    @property
+    def var(self) -> Var:
+        """The var that orders collectives pushed through the engine."""
+        return self._loop.call(lambda: self._comm.var)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the group, close the communicator and join the loop's thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._comm.aclose(), "close")
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> BlockingCommunicator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._comm.__aexit__(exc_type, exc, tb), "close")
+        finally:
+            self._loop.stop()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<BlockingCommunicator {self._comm!r}{state}>"
+
+
+class BlockingEngine:
+    """The communicator's dependency engine, used from a synchronous thread.
+
+    `push` returns a `Handle`; `wait_var` and `wait_all` block. Functions pushed run as
+    with the async engine: plain ones on the engine's thread pool, coroutine functions on
+    the communicator's loop.
+    """
+
+    def __init__(self, engine: Engine, comm: BlockingCommunicator) -> None:
+        self._engine = engine
+        self._comm = comm
+
+    @property
+    def _loop(self) -> LoopThread:
+        return self._comm._loop
+
+    def new_var(self, name: str) -> Var:
+        return self._loop.call(lambda: self._engine.new_var(name))
+
+    def tag(self, name: str, data: T) -> Tagged[T]:
+        return self._loop.call(lambda: self._engine.tag(name, data))
+
+    def push(
+        self,
+        fn: Callable[[], Any],
+        read: Iterable[Var] = (),
+        mutate: Iterable[Var] = (),
+        name: str | None = None,
+    ) -> Handle[Any]:
+        """Schedule `fn` after the ops it depends on (see `dsml.Engine.push`)."""
+        op = self._loop.call(lambda: self._engine.push(fn, read, mutate, name))
+        return self._loop.start(op, f"engine op {op.name!r}")
+
+    def push_all_reduce(
+        self, tagged: Tagged[Array], op: Any = "sum", *, read: Iterable[Var] = (), **options: Any
+    ) -> Handle[Any]:
+        """Push an all_reduce of `tagged.data` (see `Communicator.push_all_reduce`)."""
+        comm = self._comm.async_comm
+        pushed = self._loop.call(lambda: comm.push_all_reduce(tagged, op, read=read, **options))
+        return self._loop.start(pushed, f"all_reduce({tagged.var.name})")
+
+    def wait_var(self, var: Var) -> None:
+        """Block until every op pushed so far that touches `var` has finished."""
+        self._loop.run(self._engine.wait_var(var), f"wait_var({var.name})")
+
+    def wait_all(self) -> None:
+        """Block until every op pushed so far has finished."""
+        self._loop.run(self._engine.wait_all(), "wait_all")
+
+    def __repr__(self) -> str:
+        return f"<BlockingEngine {self._engine!r}>"
+
+
+def init(
+    address: str | None = None,
+    world_size: int | None = None,
+    **options: Any,
+) -> BlockingCommunicator:
+    """Join a group and return a blocking communicator (arguments as for `dsml.init`).
+
+    Use `with dsml.blocking.init(...) as comm:` or call `comm.close()` when done.
+
+    Raises:
+        DsmlError: as `dsml.init` raises them (`ConfigError`, `RegistryUnavailableError`,
+            `JoinTimeoutError`).
+        KeyboardInterrupt: Ctrl-C while joining gives the join up.
+    """
+    loop = LoopThread()
+
+    async def join() -> Communicator:
+        return await async_init(address, world_size, **options)
+
+    try:
+        comm = loop.run(join(), "init")
+    except BaseException:
+        loop.stop()
+        raise
+    return BlockingCommunicator(comm, loop)

@@ -1,0 +1,265 @@
+"""Where the time of each collective went: `comm.stats()` and the trace (communicator layer).
+
+Every collective a communicator runs leaves one `CallRecord` in a bounded ring of recent
+calls: what it was (kind, bytes, algorithm), when it ran, how it ended, and how its time
+split:
+
+* `waiting_s`: blocked in a receive for the first message of a peer in this call (the peer
+  had not got there yet: a late rank shows up here);
+* `wire_s`: blocked on the transport otherwise: later receives of the call (data in
+  flight), a send waiting for room in a full queue, waiting until ZeroMQ has sent a buffer;
+* `reduce_s`: in reductions (sum, max, ... and the scaling of `avg`);
+* `copy_s`: copying data in and out of the caller's array and work buffers;
+* `other_s`: the rest (planning, scheduling on the event loop, Python).
+
+The record of the running call is found through a context variable, set in the call's own
+task, so the array backend (`TimedBackend`) and the `Call` add to it without being passed
+it. With torch already imported (never imported here), each collective is also a
+`torch.profiler.record_function` span, so it shows in a torch profile beside the model.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from ..collectives import DTYPES
+from ..collectives.arrays import Array, ArrayBackend
+from ..collectives.ops import ReduceOp
+from ..engine.trace import Span
+from ..wire import Fingerprint
+
+__all__ = [
+    "WAITING",
+    "WIRE",
+    "CallRecord",
+    "CallStats",
+    "TimedBackend",
+    "current",
+    "profiler_span",
+    "timed",
+]
+
+KEEP = 256  # recent calls kept per communicator
+WAITING, WIRE = 0, 1  # the categories of blocked time
+
+#: the record of the collective running in this task (None outside one)
+current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar(
+    "dsml_call_record", default=None
+)
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One collective as it ran on this rank (see the module docstring)."""
+
+    kind: str
+    cid: int
+    epoch: int
+    nbytes: int
+    algorithm: str | None
+    start: float  # time.perf_counter()
+    end: float = 0.0
+    outcome: str = "running"
+    waiting_s: float = 0.0
+    wire_s: float = 0.0
+    reduce_s: float = 0.0
+    copy_s: float = 0.0
+    heard: set[int] = field(default_factory=set)  # peers a message already came from
+    #: per category (WAITING, WIRE): waits open now and since when. The tasks of one call
+    #: may wait at once (a rooted collective confirms beside its data): overlapping waits
+    #: of a category count once.
+    _open: list[int] = field(default_factory=lambda: [0, 0])
+    _since: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def enter(self, category: int) -> int:
+        """Start a wait of `category` (WAITING or WIRE); pass the result to `leave`."""
+        if self._open[category] == 0:
+            self._since[category] = time.perf_counter()
+        self._open[category] += 1
+        return category
+
+    def enter_receive(self, peer: int) -> int:
+        """Start a receive from `peer`: waiting for the peer until its first message came,
+        then (later messages of the call) for the wire."""
+        if peer in self.heard:
+            return self.enter(WIRE)
+        self.heard.add(peer)
+        return self.enter(WAITING)
+
+    def leave(self, category: int) -> None:
+        self._open[category] -= 1
+        if self._open[category] == 0:
+            elapsed = time.perf_counter() - self._since[category]
+            if category == WAITING:
+                self.waiting_s += elapsed
+            else:
+                self.wire_s += elapsed
+
+    @property
+    def total_s(self) -> float:
+        return (self.end or time.perf_counter()) - self.start
+
+    def as_dict(self) -> dict[str, Any]:
+        total = self.total_s
+        spent = self.waiting_s + self.wire_s + self.reduce_s + self.copy_s
+        return {
+            "kind": self.kind,
+            "cid": self.cid,
+            "epoch": self.epoch,
+            "bytes": self.nbytes,
+            "algorithm": self.algorithm,
+            "outcome": self.outcome,
+            "total_s": total,
+            "waiting_s": self.waiting_s,
+            "wire_s": self.wire_s,
+            "reduce_s": self.reduce_s,
+            "copy_s": self.copy_s,
+            "other_s": max(0.0, total - spent),
+        }
+
+    def describe(self) -> str:
+        """One log line's worth: `all_reduce #3 (ring, 4096 B) ok in 1.234 ms (...)`."""
+        d = self.as_dict()
+        parts = ", ".join(
+            f"{name} {d[f'{name}_s'] * 1e3:.3f}"
+            for name in ("waiting", "wire", "reduce", "copy", "other")
+        )
+        what = f"{self.algorithm}, " if self.algorithm else ""
+        return (
+            f"{self.kind} #{self.cid} ({what}{self.nbytes} B) {self.outcome} in "
+            f"{d['total_s'] * 1e3:.3f} ms ({parts} ms)"
+        )
+
+    def span(self) -> Span:
+        """The call as a span of the engine's trace format, on the "collectives" track."""
+        return Span(
+            name=f"{self.kind} #{self.cid}",
+            seq=self.cid,
+            place="collectives",
+            thread=0,
+            start=self.start,
+            end=self.end or time.perf_counter(),
+            pushed=self.start,
+            outcome=self.outcome,
+            reads=(),
+            mutates=(),
+            args={k: v for k, v in self.as_dict().items() if k not in ("kind", "cid")},
+        )
+
+
+class CallStats:
+    """The recent calls of one communicator (the runner writes, `comm.stats()` reads)."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.recent: collections.deque[CallRecord] = collections.deque(maxlen=keep)
+
+    def begin(self, kind: str, cid: int, epoch: int, fingerprint: Fingerprint) -> CallRecord:
+        record = CallRecord(
+            kind, cid, epoch, _nbytes(fingerprint), fingerprint.algorithm, time.perf_counter()
+        )
+        self.recent.append(record)
+        return record
+
+    def __repr__(self) -> str:
+        return f"<CallStats {len(self.recent)} recent calls>"
+
+
+def _nbytes(fp: Fingerprint) -> int:
+    if fp.count is None or fp.dtype is None or fp.dtype not in DTYPES:
+        return 0
+    return fp.count * DTYPES[fp.dtype].itemsize
+
+
+def profiler_span(kind: str) -> Any:
+    """An entered `torch.profiler.record_function("dsml::<kind>")` if torch is already
+    imported, else None; the caller exits it (`__exit__(None, None, None)`)."""
+    torch = sys.modules.get("torch")
+    profiler = getattr(torch, "profiler", None) if torch is not None else None
+    if profiler is None:
+        return None
+    span = profiler.record_function(f"dsml::{kind}")
+    span.__enter__()
+    return span
+
+
+def _add(kind: str, start: float) -> None:
+    record = current.get()
+    if record is not None:
+        if kind == "reduce":
+            record.reduce_s += time.perf_counter() - start
+        else:
+            record.copy_s += time.perf_counter() - start
+
+
+class TimedBackend:
+    """An array backend that adds the time of reductions and copies to the current call.
+
+    Every other attribute is the wrapped backend's (whatever methods it has).
+    """
+
+    def __init__(self, inner: ArrayBackend) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def copy_flat(self, x: Array, out: Array) -> None:
+        start = time.perf_counter()
+        self.inner.copy_flat(x, out)
+        _add("copy", start)
+
+    def copy_out(self, flat: Array, x: Array) -> None:
+        start = time.perf_counter()
+        self.inner.copy_out(flat, x)
+        _add("copy", start)
+
+    def write(self, out: Array, lo: int, hi: int, data: memoryview) -> None:
+        start = time.perf_counter()
+        self.inner.write(out, lo, hi, data)
+        _add("copy", start)
+
+    def copy(self, out: Array, lo: int, hi: int, src: Array) -> None:
+        start = time.perf_counter()
+        self.inner.copy(out, lo, hi, src)
+        _add("copy", start)
+
+    def reduce(
+        self,
+        op: ReduceOp,
+        out: Array,
+        lo: int,
+        hi: int,
+        local: Array,
+        data: memoryview,
+        *,
+        data_first: bool,
+    ) -> None:
+        start = time.perf_counter()
+        self.inner.reduce(op, out, lo, hi, local, data, data_first=data_first)
+        _add("reduce", start)
+
+    def combine(self, op: ReduceOp, local: Array, lo: int, hi: int, data: memoryview) -> Array:
+        start = time.perf_counter()
+        result = self.inner.combine(op, local, lo, hi, data)
+        _add("reduce", start)
+        return result
+
+    def scale(self, out: Array, lo: int, hi: int, world_size: int) -> None:
+        start = time.perf_counter()
+        self.inner.scale(out, lo, hi, world_size)
+        _add("reduce", start)
+
+    def __repr__(self) -> str:
+        return f"<TimedBackend {self.inner!r}>"
+
+
+def timed(be: ArrayBackend) -> ArrayBackend:
+    """`be`, timing its reductions and copies into the running call's record."""
+    if isinstance(be, TimedBackend):
+        return be
+    return cast(ArrayBackend, TimedBackend(be))

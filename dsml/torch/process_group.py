@@ -1,0 +1,470 @@
+"""`ProcessGroupDsml`: torch.distributed's ProcessGroup over a dsml communicator (adapter).
+
+torch calls these methods (from Python, or from C++ through its Python trampoline, as
+DDP's reducer does) on the training thread. Each starts its dsml calls on the
+communicator's loop thread (in call order, so every rank's calls match) and returns a
+`DsmlWork` at once; results that are new arrays are copied into the caller's output
+tensors on the loop thread before the work completes. Tensors reach dsml through its
+array interop: CPU tensors without a copy (in-place calls write into them), CUDA tensors
+through cupy.
+
+Mapping of torch's calls onto dsml's collectives (inputs flattened where torch's layout is
+a list of equal parts): allreduce -> all_reduce; broadcast; reduce; allgather and
+all_gather_single -> all_gather; gather; scatter; reduce_scatter(_single) ->
+reduce_scatter; alltoall(_single) with equal parts -> all_to_all, with uneven split sizes
+-> send/recv to each peer; barrier; send; recv.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..blocking import BlockingCommunicator, LoopThread
+from ..blocking import init as blocking_init
+from ..collectives.interop import like
+from ..communicator import Communicator
+from ..errors import ConfigError
+from ..membership import Registry, open_registry
+from .work import DsmlWork
+
+__all__ = ["ProcessGroupDsml", "create_backend"]
+
+Tensors = list[torch.Tensor]
+_STORE_KEY = "dsml/registry"
+_UNEVEN_TAG = (1 << 31) - 1  # the tag of alltoall's send/recv pairs (uneven splits)
+_OPS = (
+    (dist.ReduceOp.SUM, "sum"),
+    (dist.ReduceOp.AVG, "avg"),
+    (dist.ReduceOp.PRODUCT, "prod"),
+    (dist.ReduceOp.MIN, "min"),
+    (dist.ReduceOp.MAX, "max"),
+)
+_UNSET_TIMEOUT_S = 0.0
+
+
+def _op_name(op: Any) -> str:
+    for torch_op, name in _OPS:
+        if op == torch_op:
+            return name
+    raise ValueError(f"the dsml backend supports ReduceOp SUM, AVG, PRODUCT, MIN and MAX, not {op}")
+
+
+class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
+    """A torch ProcessGroup whose collectives run on a dsml communicator.
+
+    Made by torch through `create_backend` (`dist.init_process_group("dsml")`,
+    `dist.new_group(backend="dsml")`); `comm` is the blocking communicator underneath.
+    """
+
+    def __init__(
+        self, comm: BlockingCommunicator, timeout_s: float, registry: HostedRegistry | None
+    ) -> None:
+        super().__init__(comm.rank, comm.world_size)
+        self.comm = comm
+        self._timeout_s = timeout_s
+        self._registry = registry
+        self._group_name = ""
+        self._group_desc = ""
+
+    # -- what torch asks of every process group ---------------------------------------------
+
+    def getBackendName(self) -> str:
+        return "dsml"
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Close the communicator (and the registry this rank hosts)."""
+        try:
+            self.comm.close()
+        finally:
+            if self._registry is not None:
+                self._registry.close()
+                self._registry = None
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupDsml rank={self.rank()}/{self.size()} {self.comm!r}>"
+
+    # -- reductions in place ------------------------------------------------------------------
+
+    def allreduce(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
+        op = _op_name(_reduce_op(opts))
+        timeout = self._timeout(opts)
+
+        async def run(comm: Communicator) -> Tensors:
+            await _all([comm.all_reduce(t, op, timeout=timeout) for t in tensors])
+            return tensors
+
+        return self._start("allreduce", run)
+
+    def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
+        root, timeout = opts.rootRank, self._timeout(opts)
+
+        async def run(comm: Communicator) -> Tensors:
+            await _all([comm.broadcast(t, root, timeout=timeout) for t in tensors])
+            return tensors
+
+        return self._start("broadcast", run)
+
+    def reduce(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
+        op, root, timeout = _op_name(opts.reduceOp), opts.rootRank, self._timeout(opts)
+
+        async def run(comm: Communicator) -> Tensors:
+            await _all([comm.reduce(t, root, op, timeout=timeout) for t in tensors])
+            return tensors
+
+        return self._start("reduce", run)
+
+    # -- gathering ------------------------------------------------------------------------
+
+    def allgather(self, outputs: list[Tensors], inputs: Tensors, opts: Any = None) -> DsmlWork:
+        timeout = self._timeout(opts)
+
+        async def run(comm: Communicator) -> list[Tensors]:
+            handles = [comm.all_gather(_flat(x), timeout=timeout) for x in inputs]
+            for parts, gathered in zip(outputs, await _all(handles), strict=True):
+                _split_into(parts, gathered)
+            return outputs
+
+        return self._start("allgather", run)
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> DsmlWork:
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(
+        self, outputs: Tensors, inputs: Tensors, opts: Any = None
+    ) -> DsmlWork:
+        timeout = self._timeout(opts)
+
+        async def run(comm: Communicator) -> Tensors:
+            handles = [comm.all_gather(_flat(x), timeout=timeout) for x in inputs]
+            for out, gathered in zip(outputs, await _all(handles), strict=True):
+                _copy_into(out, gathered)
+            return outputs
+
+        return self._start("all_gather_single", run)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(
+        self, outputs: list[Tensors], inputs: Tensors, opts: Any = None
+    ) -> DsmlWork:
+        return self.allgather(outputs, inputs, opts)
+
+    def gather(self, outputs: list[Tensors], inputs: Tensors, opts: Any = None) -> DsmlWork:
+        root, timeout = opts.rootRank, self._timeout(opts)
+
+        async def run(comm: Communicator) -> list[Tensors]:
+            gathered = await comm.gather(_flat(inputs[0]), root, timeout=timeout)
+            if gathered is not None:
+                _split_into(outputs[0], gathered)
+            return outputs
+
+        return self._start("gather", run)
+
+    def scatter(self, outputs: Tensors, inputs: list[Tensors], opts: Any = None) -> DsmlWork:
+        root, timeout = opts.rootRank, self._timeout(opts)
+        parts = inputs[0] if inputs else None
+        if parts is not None:
+            _check_equal("scatter", parts)
+
+        async def run(comm: Communicator) -> Tensors:
+            whole = torch.cat([_flat(p) for p in parts]) if parts is not None else None
+            mine = await comm.scatter(whole, root, timeout=timeout)
+            _copy_into(outputs[0], mine)
+            return outputs
+
+        return self._start("scatter", run)
+
+    # -- reduce-scatter and all-to-all --------------------------------------------------------
+
+    def reduce_scatter(self, outputs: Tensors, inputs: list[Tensors], opts: Any = None) -> DsmlWork:
+        for parts in inputs:
+            _check_equal("reduce_scatter", parts)
+        wholes = [torch.cat([_flat(p) for p in parts]) for parts in inputs]
+        return self._reduce_scatter("reduce_scatter", outputs, wholes, opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> DsmlWork:
+        return self._reduce_scatter("reduce_scatter_single", [output], [_flat(input)], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: Tensors, inputs: Tensors, opts: Any = None
+    ) -> DsmlWork:
+        flat = [_flat(x) for x in inputs]
+        return self._reduce_scatter("reduce_scatter_single", outputs, flat, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter(self, what: str, outputs: Tensors, wholes: Tensors, opts: Any) -> DsmlWork:
+        op, timeout = _op_name(opts.reduceOp), self._timeout(opts)
+        for out, whole in zip(outputs, wholes, strict=True):
+            if whole.numel() != out.numel() * self.size():
+                raise ValueError(
+                    f"{what}: the input has {whole.numel()} elements; it needs world size "
+                    f"({self.size()}) x the output's {out.numel()}"
+                )
+
+        async def run(comm: Communicator) -> Tensors:
+            handles = [comm.reduce_scatter(w, op, timeout=timeout) for w in wholes]
+            for out, mine in zip(outputs, await _all(handles), strict=True):
+                _copy_into(out, mine)
+            return outputs
+
+        return self._start(what, run)
+
+    def alltoall(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> DsmlWork:
+        timeout = self._timeout(opts)
+        sizes_in = [t.numel() for t in inputs]
+        sizes_out = [t.numel() for t in outputs]
+        if len(set(sizes_in)) == 1 and sizes_in == sizes_out:
+
+            async def even(comm: Communicator) -> Tensors:
+                whole = torch.cat([_flat(t) for t in inputs])
+                _split_into(outputs, await comm.all_to_all(whole, timeout=timeout))
+                return outputs
+
+            return self._start("alltoall", even)
+
+        async def uneven(comm: Communicator) -> Tensors:
+            await _exchange(comm, [_flat(t) for t in inputs], outputs, timeout)
+            return outputs
+
+        return self._start("alltoall", uneven)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: Any = None,
+    ) -> DsmlWork:
+        size = self.size()
+        if not output_split_sizes and not input_split_sizes:
+            timeout = self._timeout(opts)
+
+            async def even(comm: Communicator) -> Tensors:
+                _copy_into(output, await comm.all_to_all(_flat(input), timeout=timeout))
+                return [output]
+
+            if input.shape[0] % size:
+                raise ValueError(
+                    f"all_to_all_single: dim 0 ({input.shape[0]}) must divide by the world "
+                    f"size ({size}) when no split sizes are given"
+                )
+            return self._start("all_to_all_single", even)
+        ins = list(torch.split(input, list(input_split_sizes) or input.shape[0] // size))
+        outs = list(torch.split(output, list(output_split_sizes) or output.shape[0] // size))
+        return self.alltoall(outs, ins, opts)
+
+    alltoall_base = all_to_all_single
+
+    # -- synchronisation and point to point ---------------------------------------------------
+
+    def barrier(self, opts: Any = None) -> DsmlWork:
+        timeout = self._timeout(opts)
+
+        async def run(comm: Communicator) -> Tensors:
+            await comm.barrier(timeout=timeout)
+            return []
+
+        return self._start("barrier", run)
+
+    def send(self, tensors: Tensors, dst: int, tag: int) -> DsmlWork:
+        async def run(comm: Communicator) -> Tensors:
+            await _all([comm.send(t, dst, tag=tag, timeout=self._timeout_s) for t in tensors])
+            return tensors
+
+        return self._start(f"send to rank {dst}", run)
+
+    def recv(self, tensors: Tensors, src: int, tag: int) -> DsmlWork:
+        async def run(comm: Communicator) -> Tensors:
+            for t in tensors:
+                _copy_into(t, await comm.recv(src, tag=tag, timeout=self._timeout_s))
+            return tensors
+
+        return self._start(f"recv from rank {src}", run)
+
+    def recv_anysource(self, tensors: Tensors, tag: int) -> DsmlWork:
+        raise ValueError("the dsml backend needs a source rank for recv (no ANY_SOURCE)")
+
+    # -- running on the loop ------------------------------------------------------------------
+
+    def _timeout(self, opts: Any) -> float:
+        """The call's timeout: the options' when set, else the group's."""
+        value = getattr(opts, "timeout", None)
+        seconds = value.total_seconds() if isinstance(value, timedelta) else 0.0
+        return seconds if seconds > _UNSET_TIMEOUT_S else self._timeout_s
+
+    def _start(
+        self, what: str, run: Callable[[Communicator], Coroutine[Any, Any, Any]]
+    ) -> DsmlWork:
+        """Run `run(comm)` on the loop thread (started in call order); its Work now."""
+        comm = self.comm.async_comm
+        future = asyncio.run_coroutine_threadsafe(run(comm), self.comm.loop)
+        return DsmlWork(future, what)
+
+
+async def _all(handles: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Await every handle (all of them, even after one failed); their results in order."""
+    outcomes = await asyncio.gather(*handles, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return outcomes
+
+
+async def _exchange(
+    comm: Communicator,
+    parts: Tensors,
+    outputs: Tensors,
+    timeout: float,  # noqa: ASYNC109 (each send and recv takes it)
+) -> None:
+    """Send parts[j] to rank j and receive rank j's part into outputs[j] (uneven all-to-all)."""
+    rank = comm.rank
+    outputs[rank].view(-1).copy_(parts[rank])
+    peers = [j for j in range(comm.world_size) if j != rank]
+    sends = [comm.send(parts[j], j, tag=_UNEVEN_TAG, timeout=timeout) for j in peers]
+    received = await _all([comm.recv(j, tag=_UNEVEN_TAG, timeout=timeout) for j in peers])
+    for j, part in zip(peers, received, strict=True):
+        _copy_into(outputs[j], part)
+    await _all(sends)
+
+
+def _reduce_op(opts: Any) -> Any:
+    return opts if isinstance(opts, dist.ReduceOp | dist.ReduceOp.RedOpType) else opts.reduceOp
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1)  # a view when it can be: dsml reads strided tensors too
+
+
+def _check_equal(what: str, parts: Tensors) -> None:
+    if len({p.numel() for p in parts}) > 1:
+        raise ValueError(f"{what}: the dsml backend needs parts of equal size")
+
+
+def _copy_into(out: torch.Tensor, value: Any) -> None:
+    """out[...] = value (a torch tensor, or a numpy/cupy array from a call without input)."""
+    tensor = value if isinstance(value, torch.Tensor) else like(value, out)
+    out.copy_(tensor.reshape(out.shape))
+
+
+def _split_into(outs: Tensors, gathered: Any) -> None:
+    tensor = gathered if isinstance(gathered, torch.Tensor) else like(gathered, outs[0])
+    start = 0
+    for out in outs:
+        out.copy_(tensor[start : start + out.numel()].reshape(out.shape))
+        start += out.numel()
+
+
+# -- rendezvous -------------------------------------------------------------------------------
+
+
+class HostedRegistry:
+    """A dsml registry hosted by this process on a loop thread of its own (rank 0)."""
+
+    def __init__(self, host: str) -> None:
+        self._loop = LoopThread("dsml-registry")
+        try:
+            self.registry: Registry = self._loop.run(
+                open_registry(f"tcp://{host}:0"), "open_registry"
+            )
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    @property
+    def address(self) -> str:
+        return self.registry.address
+
+    def close(self) -> None:
+        try:
+            self._loop.run(self.registry.aclose(), "close registry")
+        finally:
+            self._loop.stop()
+
+
+_default_taken = False  # the first group under `dsml run` joins its registry
+
+
+def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupDsml:
+    """torch's backend creator: join (or form) a dsml group for this process group.
+
+    Under `dsml run` (DSML_REGISTRY set) the first group joins the launcher's registry.
+    Otherwise group rank 0 hosts a registry (on MASTER_ADDR's address, else loopback) and
+    publishes its address in torch's store; the other ranks read it there.
+    """
+    global _default_taken
+    timeout_s = timeout.total_seconds()
+    hosted: HostedRegistry | None = None
+    registry = os.environ.get("DSML_REGISTRY", "").strip()
+    if registry and not _default_taken and str(size) == os.environ.get("DSML_WORLD_SIZE"):
+        _default_taken = True
+    elif rank == 0:
+        hosted = HostedRegistry(_registry_host())
+        registry = hosted.address
+        store.set(_STORE_KEY, registry)
+    else:
+        store.wait([_STORE_KEY], timeout)
+        registry = store.get(_STORE_KEY).decode()
+    try:
+        comm = blocking_init(
+            registry, size, rank=rank, timeout=timeout_s, name=f"torch rank {rank}"
+        )
+    except BaseException:
+        if hosted is not None:
+            hosted.close()
+        raise
+    return ProcessGroupDsml(comm, timeout_s, hosted)
+
+
+def _registry_host() -> str:
+    """The address rank 0's registry binds: MASTER_ADDR's (a user-named address) or loopback."""
+    name = os.environ.get("MASTER_ADDR", "").strip()
+    if not name:
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise ConfigError(f"MASTER_ADDR={name!r} does not resolve: {exc}") from exc

@@ -1,0 +1,233 @@
+"""dsml.blocking: the collectives from synchronous code, on a loop thread of their own.
+
+In-process tests run one blocking communicator per thread against a registry on its own
+loop thread; the training loop and Ctrl-C run in real processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dsml
+import dsml.blocking
+from dsml.blocking import BlockingCommunicator, LoopThread
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+@contextlib.contextmanager
+def registry() -> Iterator[str]:
+    """A registry on a loop thread of its own; yields its address."""
+    loop = LoopThread("test-registry")
+    reg = loop.run(dsml.open_registry("tcp://127.0.0.1:0"), "open_registry")
+    try:
+        yield reg.address
+    finally:
+        loop.run(reg.aclose(), "close registry")
+        loop.stop()
+
+
+def on_ranks(world_size: int, body: Callable[[BlockingCommunicator], Any]) -> list[Any]:
+    """body(comm) on world_size threads, each with its own blocking communicator."""
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException] = []
+    with registry() as address:
+
+        def rank(r: int) -> None:
+            try:
+                with dsml.blocking.init(address, world_size, rank=r, timeout=30) as comm:
+                    results[r] = body(comm)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_blocking_collectives_return_results_and_reduce_in_place():
+    def body(comm: BlockingCommunicator) -> dict[str, Any]:
+        x = np.arange(4.0) * (comm.rank + 1)
+        out = {"all_reduce_is_x": comm.all_reduce(x) is x, "x": x.tolist()}
+        out["gather"] = comm.all_gather(np.array([comm.rank]))
+        out["scatter"] = comm.scatter(np.arange(6) if comm.rank == 0 else None, 0)
+        comm.barrier()
+        return out
+
+    results = on_ranks(3, body)
+    for rank, out in enumerate(results):
+        assert out["all_reduce_is_x"]
+        assert out["x"] == [0.0, 6.0, 12.0, 18.0]
+        assert out["gather"].tolist() == [0, 1, 2]
+        assert out["scatter"].tolist() == np.array_split(np.arange(6), 3)[rank].tolist()
+
+
+def test_async_op_gives_a_handle_that_waits_and_says_when_it_is_done():
+    def body(comm: BlockingCommunicator) -> list[float]:
+        xs = [np.full(3, float(comm.rank + i)) for i in range(4)]
+        handles = [comm.all_reduce(x, async_op=True) for x in xs]
+        results = [h.wait(timeout=30) for h in handles]
+        assert all(h.done() for h in handles)
+        assert all(r is x for r, x in zip(results, xs, strict=True))
+        return [float(x[0]) for x in xs]
+
+    assert on_ranks(2, body) == [[1.0, 3.0, 5.0, 7.0]] * 2
+
+
+def test_waiting_on_a_handle_with_a_timeout_leaves_the_call_running():
+    def body(comm: BlockingCommunicator) -> str:
+        if comm.rank == 0:
+            h = comm.all_reduce(np.ones(2), async_op=True)
+            with pytest.raises(TimeoutError, match="still running"):
+                h.wait(timeout=0.05)  # rank 1 has not called yet
+            assert not h.done()
+            comm.send(np.zeros(1), 1)  # now rank 1 calls
+            return str(h.wait(timeout=30).tolist())
+        comm.recv(0)
+        return str(comm.all_reduce(np.ones(2)).tolist())
+
+    assert on_ranks(2, body) == ["[2.0, 2.0]"] * 2
+
+
+def test_errors_raise_in_the_calling_thread_with_their_type():
+    def body(comm: BlockingCommunicator) -> None:
+        with pytest.raises(dsml.ConfigError, match="floating"):
+            comm.all_reduce(np.arange(3), "avg")
+        with pytest.raises(dsml.CollectiveMismatchError):
+            comm.all_reduce(np.ones(2 + comm.rank))
+        comm.barrier()
+
+    on_ranks(2, body)
+
+
+def test_the_engine_is_usable_from_a_blocking_communicator():
+    def body(comm: BlockingCommunicator) -> list[float]:
+        engine = comm.engine
+        grad = engine.tag("grad", np.zeros(3))
+        engine.push(lambda: grad.data.__iadd__(comm.rank + 1), mutate=[grad.var])
+        reduced = comm.engine.push_all_reduce(grad)
+        scaled = engine.push(lambda: grad.data.__imul__(10), mutate=[grad.var])
+        engine.wait_var(grad.var)
+        engine.wait_all()
+        assert reduced.done()
+        assert scaled.done()
+        return grad.data.tolist()
+
+    assert on_ranks(2, body) == [[30.0, 30.0, 30.0]] * 2
+
+
+def test_close_joins_the_loop_thread_and_refuses_later_calls():
+    before = {t.ident for t in threading.enumerate()}
+
+    def body(comm: BlockingCommunicator) -> BlockingCommunicator:
+        comm.barrier()
+        return comm
+
+    comms = on_ranks(2, body)
+    for comm in comms:
+        with pytest.raises(dsml.ConfigError, match="closed"):
+            comm.barrier()
+    left = [t for t in threading.enumerate() if t.ident not in before and t.name == "dsml-loop"]
+    assert left == []
+
+
+def run_script(n: int, script: str, *args: str, timeout: float = 60) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dsml", "run", "-n", str(n), str(SCRIPTS / script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_synchronous_training_loop_converges_to_the_same_weights_on_every_rank():
+    steps = 60
+    proc = run_script(3, "blocking_sgd.py", str(steps))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    rows = [json.loads(line.split("] ", 1)[1]) for line in out.splitlines() if "{" in line]
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2]
+    # the same descent done serially on all the data
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3 * 32, 4))
+    y = x @ np.arange(1.0, 5.0)
+    w = np.zeros(4)
+    for _ in range(steps):
+        grads = [
+            2
+            * x[r * 32 : (r + 1) * 32].T
+            @ (x[r * 32 : (r + 1) * 32] @ w - y[r * 32 : (r + 1) * 32])
+            / 32
+            for r in range(3)
+        ]
+        w -= 0.05 * (sum(grads) / 3)
+    for row in rows:
+        np.testing.assert_allclose(row["w"], w, rtol=1e-12, atol=1e-12)
+        assert row["w"] == rows[0]["w"]  # bitwise the same on every rank
+    assert rows[0]["loss"] < 1e-2
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_interrupts_a_blocked_wait_and_the_communicator_stays_usable():
+    with registry() as address:
+        env = {**os.environ, "DSML_REGISTRY": address, "DSML_WORLD_SIZE": "2"}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "blocking_interrupted.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env={**env, "DSML_RANK": str(rank)},
+            )
+            for rank in range(2)
+        ]
+        try:
+            blocked, peer = procs
+            assert blocked.stdout.readline().strip() == "waiting", blocked.stderr.read()
+            assert peer.stdout.readline().strip() == "ready", peer.stderr.read()
+            time.sleep(0.3)  # let rank 0 get into its wait (no event crosses the process)
+            sent = time.monotonic()
+            blocked.send_signal(signal.SIGINT)
+            line = blocked.stdout.readline()
+            print(f"{line.strip()} (seen {time.monotonic() - sent:.3f} s after SIGINT)")
+            assert line.startswith("interrupted after"), blocked.stderr.read()
+            peer.stdin.write("go\n")
+            peer.stdin.flush()
+            outs = [p.communicate(timeout=30) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        assert blocked.returncode == 0, outs[0][1]
+        assert "usable" in outs[0][0]
+        assert peer.returncode == 0, outs[1][1]
+        # The peer either fails the matching call (told of the cancel) or, when rank 0's
+        # data had already reached it, keeps its result (see CollectiveHandle.cancel).
+        peer_line = outs[1][0].splitlines()[0]
+        assert peer_line in ("peer: CollectiveAbortedError", "peer: no error"), outs[1]
+        assert "usable" in outs[1][0]
