@@ -2,14 +2,12 @@
 
 - `agreement`: the successor view, quorum, survivors agreeing among themselves.
 - `holding`: messages for a future epoch held only from members, within a budget.
-- `ratelimit`: one warning line per sender per interval, with counts.
 - `liveness`: who the registry may evict, and noticing its own stall.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 
 import pytest
@@ -20,7 +18,6 @@ from dsml.membership.agreement import Agreement, digest, has_quorum, successor
 from dsml.membership.holding import FutureHold, HoldBudget
 from dsml.membership.liveness import Liveness, StallDetector, evictable
 from dsml.membership.peerwatch import PeerWatch
-from dsml.membership.ratelimit import RateLimitedLog
 
 
 def make_view(n: int, epoch: int = 3) -> View:
@@ -229,27 +226,6 @@ def test_dropping_a_senders_held_messages_frees_its_budget():
 def test_a_hold_budget_must_be_non_negative_integers():
     with pytest.raises(ValueError, match="max_bytes"):
         HoldBudget(max_bytes=-1)
-
-
-# -- rate-limited warnings --------------------------------------------------------------
-
-
-def test_warnings_are_one_line_per_key_per_interval_with_counts(caplog):
-    now = [0.0]
-    limited = RateLimitedLog(logging.getLogger("dsml.test"), interval_s=10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="dsml.test"):
-        for i in range(1000):
-            now[0] = i * 0.01  # 10 s in all
-            limited.warning("sender-a", "dropped from %s", "a")
-            limited.warning("sender-b", "dropped from %s", "b")
-        now[0] = 10.5
-        limited.warning("sender-a", "dropped from %s", "a")
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines[:2] == ["dropped from a", "dropped from b"]
-    assert lines[2] == "dropped from a (999 more like it since the last such line)"
-    assert len(lines) == 3
-    assert limited.lines == 3
-    assert limited.suppressed == 1998
 
 
 # -- liveness ---------------------------------------------------------------------------

@@ -24,10 +24,10 @@ from typing import Any
 
 from ..config import CommConfig
 from ..errors import DsmlError, ProtocolError
+from ..log import Throttle
 from ..membership import View
 from ..membership.holding import FutureHold
 from ..membership.peerwatch import PeerWatch
-from ..membership.ratelimit import RateLimitedLog
 from ..transport import Channel, Endpoint, Sent, tune_malloc
 from ..wire import Envelope, Kind
 from .tasks import TaskOwner
@@ -71,7 +71,7 @@ class PeerLinks:
         #: handled here: only its arrival matters)
         self.on_membership: Callable[[int, Envelope], None] = lambda _rank, _env: None
         self.watch = PeerWatch(interval=1.0, timeout=10.0)
-        self.warnings = RateLimitedLog(log, _WARN_EVERY_S)
+        self.warnings = Throttle(_WARN_EVERY_S)
         self._hold: FutureHold[tuple[bytes, Envelope, list[memoryview]]] = FutureHold()
         self._member_ids: dict[bytes, str] = {}  # identity -> member id, current view
         self._tasks = tasks
@@ -130,7 +130,11 @@ class PeerLinks:
             except ProtocolError as exc:  # one bad early message must not fail the install
                 self.counters["dropped_held"] += 1
                 self.warnings.warning(
-                    f"held:{sender[:32]!r}", "dropped a held %s message: %s", env.kind.name, exc
+                    log,
+                    f"held:{sender[:32]!r}",
+                    "dropped a held %s message: %s",
+                    env.kind.name,
+                    exc,
                 )
 
     def announce(self, view: View) -> None:
@@ -288,6 +292,7 @@ class PeerLinks:
         else:
             self.counters["dropped_over_budget"] += 1
             self.warnings.warning(
+                log,
                 f"budget:{sender[:32]!r}",
                 "dropped a %s message of epoch %d from %r: the budget for messages of a view "
                 "not installed yet is full (%d held, %d bytes)",
@@ -301,6 +306,7 @@ class PeerLinks:
     def _drop_foreign(self, sender: bytes, env: Envelope, why: str) -> None:
         self.counters["dropped_foreign"] += 1
         self.warnings.warning(
+            log,
             f"foreign:{sender[:32]!r}",
             "dropped a %s message from %r (%s)",
             env.kind.name,
