@@ -73,12 +73,17 @@ class Rank:
     errors: list[BaseException] = field(default_factory=list)
     stop_after: int | None = None  # this rank closes after that many successful calls
     until_size: int = 0  # and votes to stop only once the group has this many members
+    calm: asyncio.Event = field(default_factory=asyncio.Event)  # the faults are over
+    ok_since_calm: int = 0
     done: bool = False
 
     async def loop(self) -> None:
         comm = self.comm
         while True:
+            # Stop only once the faults are over and calls ran again since: the stop call
+            # must not be one that a fault makes succeed on some ranks and fail on others.
             enough = self.ok + 1 >= self.rounds and comm.world_size >= self.until_size
+            enough = enough and self.ok_since_calm >= 2
             vote = 1 if enough else 0
             before = comm.view
             x = np.full(N, value_of(comm), dtype=np.int64)
@@ -96,6 +101,8 @@ class Rank:
                 f"inexact: {body[0]} over {before} / {after}"
             )
             self.ok += 1
+            if self.calm.is_set():
+                self.ok_since_calm += 1
             if x[-1] > 0:
                 self.done = True
                 return
@@ -216,7 +223,8 @@ class Plan:
 async def run_plan(plan: Plan) -> dict[str, Any]:
     async with open_local_cluster(plan.world, config=CONFIG, registry_config=HB) as cluster:
         address = cluster.registry.address
-        ranks = [Rank(c) for c in cluster]
+        calm = asyncio.Event()
+        ranks = [Rank(c, calm=calm) for c in cluster]
         victim = ranks[plan.victim]
         extra: list[Rank] = []
         if "leave" in plan.kinds:
@@ -238,7 +246,8 @@ async def run_plan(plan: Plan) -> dict[str, Any]:
                 elif kind == "foreign":
                     await foreign_burst(victim.comm, 300)
                 elif kind == "join":
-                    joiner = Rank(await dsml.init(address, plan.world, config=CONFIG), rounds=1)
+                    comm = await dsml.init(address, plan.world, config=CONFIG)
+                    joiner = Rank(comm, rounds=1, calm=calm)
                     extra.append(joiner)
                     loops.append(asyncio.ensure_future(joiner.loop()))
             if "registry" in plan.kinds:
@@ -248,6 +257,7 @@ async def run_plan(plan: Plan) -> dict[str, Any]:
                     heartbeat_timeout=HB.heartbeat_timeout,
                 )  # fmt: skip
                 cluster.registry = await dsml.open_registry(config=config)
+            calm.set()
 
         try:
             async with asyncio.timeout(HANG_S):

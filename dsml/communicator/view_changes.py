@@ -242,6 +242,8 @@ class ViewChanges:
         rank = view.rank_of(member_id) if view is not None else None
         if view is None or rank is None or view.epoch != epoch or self._evicted is not None:
             return  # a new view came, or this rank left
+        if self.survival is not None and self.survival.stopped:
+            return  # this rank is closing
         failed = self._failed_view
         if rank in self.table.closed_after or (failed is not None and failed.epoch > epoch):
             return  # it said goodbye after all, or the registry's verdict is in
