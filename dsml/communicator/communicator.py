@@ -40,6 +40,7 @@ from .plans import Planner, Request
 from .runner import Runner
 from .shm_hook import ShmHook
 from .subgroups import Demux
+from .survival import Survival
 from .tasks import TaskOwner
 from .view_changes import ViewChanges, ViewListener
 
@@ -49,6 +50,7 @@ T = TypeVar("T")
 Array = Any
 
 _CLOSE_GRACE_S = 2.0  # how long closing waits for background sends (goodbyes, aborts)
+_DRAIN_S = 1.0  # how long a graceful close lets the calls in flight finish
 
 
 class Communicator:
@@ -73,6 +75,7 @@ class Communicator:
         self._registry = registry
         self._table = CallTable(links, config)
         self._views = ViewChanges(self._table, links, registry, config.view_timeout)
+        self._survival = Survival(links, self._views, registry, tasks)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
         self._auto = AutoChooser(  # what `auto` runs across hosts (docs/auto.md)
             lambda: links.epoch,
@@ -106,6 +109,7 @@ class Communicator:
         self._shm.set_view(view)
         self._registry.attach(self._views)
         self._registry.start_heartbeats(self._progress)
+        self._survival.start()
 
     def _fail(self, exc: BaseException) -> None:
         """A bug in this communicator's own machinery: fail every call, now and later, and
@@ -130,10 +134,19 @@ class Communicator:
     def _progress(self) -> dict[str, Any]:
         """A heartbeat's body (read from the heartbeat thread: plain attribute reads)."""
         started, finished = self._table.started, self._table.finished
+        counters = self._links.counters
         return {
             "epoch": self._links.epoch,
             "started": list(started) if started is not None else None,
             "finished": list(finished) if finished is not None else None,
+            "counters": {
+                "held": self._links.held_now,
+                "held_total": counters["held"],
+                "dropped": self._links.dropped_total,
+                "dropped_foreign": counters["dropped_foreign"],
+                "dropped_over_budget": counters["dropped_over_budget"],
+                "stale": counters["stale"],
+            },
         }
 
     # -- identity ---------------------------------------------------------------------------
@@ -225,10 +238,12 @@ class Communicator:
         """Counters of the data plane: messages dropped as malformed, of an older epoch
         (stale), for a finished call (late), held for a view not seen yet; calls in flight."""
         return {
-            "dropped": self._links.dropped,
+            "dropped": self._links.dropped_total,
             "stale": self._links.counters["stale"] + self._table.counters["stale"],
             "late": self._table.counters["late"],
             "held": self._links.counters["held"],
+            "dropped_foreign": self._links.counters["dropped_foreign"],
+            "dropped_over_budget": self._links.counters["dropped_over_budget"],
             "disconnects": self._links.counters["disconnects"],
             "views_installed": self._views.installed,
             "in_flight": len(self._table.calls),
@@ -547,13 +562,21 @@ class Communicator:
         """
         if self._runner.closed:
             return
+        self._survival.stop()
         for sub in list(self._subs):  # they say goodbye in their group before we do
             await sub.aclose(error=error, cancel=cancel)
         await self._engine_link.aclose(cancel=cancel or error is not None)
+        if error is None:  # a graceful leave: calls in flight end as they would
+            await self._runner.drain(_DRAIN_S)
+        withheld = self._runner.withdraw_cancel_aborts()
+        in_flight = min((cid for _epoch, cid in self._table.calls), default=None)
         await self._runner.cancel_all()
         self._shm.close()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
-        last = self._table.next_cid - 1
+        # The peers fail every call after `last` as a member leaving: the first call this
+        # rank did not finish (cancelled by an interrupt, or still in flight) is the one.
+        unfinished = [cid for cid in (withheld, in_flight) if cid is not None]
+        last = min(unfinished) - 1 if unfinished else self._table.next_cid - 1
         self._links.say_goodbye(last, reason)  # peers hear why first: the goodbye carries it
         await self._tasks.aclose(_CLOSE_GRACE_S)  # flushes the goodbye and other sends
         await self._links.aclose()
@@ -573,6 +596,7 @@ class Communicator:
         for sub in list(self._subs):
             await sub._crash()
         self._registry.stop_heartbeats()
+        self._survival.stop()
         await self._links.crash()
         await self._registry.aclose(linger_s=0.0)
         await self._runner.cancel_all()

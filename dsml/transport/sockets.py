@@ -222,17 +222,19 @@ class Endpoint:
         max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
         name: str = "endpoint",
         curve: Curve | None = None,
+        rcvhwm: int = _HWM,
     ) -> Endpoint:
         """Bind address (port 0: the OS chooses) and start the reader task.
 
         With `curve`, only clients whose public key is in `curve.authorized` (read now) get
-        through; others' messages never reach the handler.
+        through; others' messages never reach the handler. `rcvhwm` caps the messages
+        queued per connected peer before ZeroMQ stops reading from it (backpressure).
         """
         check_address(address, "bind address")
         sock = new_socket(
             zmq.ROUTER,
             MAXMSGSIZE=max_frame_bytes,
-            RCVHWM=_HWM,
+            RCVHWM=rcvhwm,
             SNDHWM=_HWM,
             ROUTER_MANDATORY=1,
         )
