@@ -109,6 +109,8 @@ class ShmLink:
         self._control: list[Segment | None] = [None] * self.size
         self._words: list[Any] = [None] * self.size
         self._inline: list[Any] = [None] * self.size
+        self._raw: list[Any] = [None] * self.size  # control segments as uint8
+        self._records: dict[int, tuple[int, bool, bytes, int, int]] = {}  # this call's
         self._data: list[Segment | None] = [None] * self.size
         self._areas: list[Any] = [None] * self.size
         self._gens = [0] * self.size  # generation of each rank's data mapped here
@@ -134,7 +136,8 @@ class ShmLink:
         words[MAPPED : MAPPED + MAX_LOCAL] = -1
         words[W_MAGIC] = MAGIC
         self._control[self.me], self._words[self.me] = seg, words
-        self._inline[self.me] = np.frombuffer(seg.map, np.uint8)[HEADER_BYTES:]
+        self._raw[self.me] = np.frombuffer(seg.map, np.uint8)
+        self._inline[self.me] = self._raw[self.me][HEADER_BYTES:]
         self._waker = Waker(self._name(self.me, "w"))
         self._wake_names = [b"\0" + self._name(r, "w").encode() for r in range(self.size)]
 
@@ -173,7 +176,8 @@ class ShmLink:
             seg.close()
             return
         self._control[rank], self._words[rank] = seg, words
-        self._inline[rank] = np.frombuffer(seg.map, np.uint8)[HEADER_BYTES:]
+        self._raw[rank] = np.frombuffer(seg.map, np.uint8)
+        self._inline[rank] = self._raw[rank][HEADER_BYTES:]
         self._words[self.me][MAPPED + rank] = 0
 
     @property
@@ -286,6 +290,7 @@ class ShmLink:
         if used:
             await self._wait(lambda rank: self._left(rank, used), unless)
         self._used[slot], self._slot, self._cid = cid, slot, cid
+        self._records = {}
 
     async def sync(
         self,
@@ -412,18 +417,26 @@ class ShmLink:
     def _write_record(self, cid: int, record: bytes, ok: bool) -> None:
         control = self._control[self.me]
         assert control is not None
-        write_record(control.map, self._slot, Record(cid, ok, record, self._gens[self.me]))
+        write_record(self._raw[self.me], self._slot, Record(cid, ok, record, self._gens[self.me]))
 
     def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int, int]:
         """(cid, ok, fingerprint bytes, data generation, slot) of rank's entry record for
-        call cid; cid -1 and slot -1 when it has none."""
-        control = self._control[rank]
-        assert control is not None
-        found = find_record(control.map, cid)
+        call cid; cid -1 and slot -1 when it has none. A record found for the current call
+        is kept: it does not change before every rank has left the call (see `begin`)."""
+        if cid == self._cid:
+            known = self._records.get(rank)
+            if known is not None:
+                return known
+        raw = self._raw[rank]
+        assert raw is not None
+        found = find_record(raw, cid)
         if found is None:
             return -1, False, b"", 0, -1
         slot, rec = found
-        return rec.cid, rec.ok, rec.fingerprint, rec.gen, slot
+        entry = rec.cid, rec.ok, rec.fingerprint, rec.gen, slot
+        if cid == self._cid:
+            self._records[rank] = entry
+        return entry
 
     def _check_records(
         self, cid: int, record: bytes, check: Check | None, *, present_only: bool = False
@@ -469,6 +482,8 @@ class ShmLink:
         self.closed = True
         self._words = [None] * self.size
         self._inline = [None] * self.size
+        self._raw = [None] * self.size
+        self._records = {}
         self._areas = [None] * self.size
         for seg in [*self._control, *self._data]:
             if seg is not None:

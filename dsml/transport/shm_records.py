@@ -37,7 +37,7 @@ def write_record(buffer: Any, slot: int, record: Record) -> None:
     if len(fingerprint) > FP_MAX:
         fingerprint = b"#" + hashlib.blake2b(fingerprint, digest_size=32).digest()
     at = RECORD_AT[slot]
-    raw = np.frombuffer(buffer, np.uint8)
+    raw = _bytes(buffer)
     raw[at + _HEAD : at + _HEAD + len(fingerprint)] = np.frombuffer(fingerprint, np.uint8)
     head = raw[at : at + _HEAD].view(np.int64)
     head[1], head[2], head[3] = int(record.ok), len(fingerprint), record.gen
@@ -46,7 +46,7 @@ def write_record(buffer: Any, slot: int, record: Record) -> None:
 
 def find_record(buffer: Any, cid: int) -> tuple[int, Record] | None:
     """(slot, record) of call cid in a control segment, or None."""
-    raw = np.frombuffer(buffer, np.uint8)
+    raw = _bytes(buffer)
     for slot, at in enumerate(RECORD_AT):
         head = raw[at : at + _HEAD].view(np.int64)
         if int(head[0]) == cid:
@@ -54,3 +54,8 @@ def find_record(buffer: Any, cid: int) -> tuple[int, Record] | None:
             fingerprint = raw[at + _HEAD : at + _HEAD + length].tobytes()
             return slot, Record(cid, bool(head[1]), fingerprint, int(head[3]))
     return None
+
+
+def _bytes(buffer: Any) -> Any:
+    """The buffer as uint8 (as is when it already is a numpy array)."""
+    return buffer if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, np.uint8)
