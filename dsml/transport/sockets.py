@@ -51,6 +51,7 @@ _BATCH = 256  # messages handled before the reader yields to other tasks
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _FULL_POLL_S = 0.001  # re-try interval of a send that found the queue full (rare)
+_CLOSE_WAIT_S = 5.0  # longest wait for ZeroMQ to destroy a closed endpoint (ms in practice)
 _DROP_LOG_INTERVAL_S = 10.0  # a flood of bad messages: one line per sender per interval
 
 
@@ -283,14 +284,38 @@ class Endpoint:
             self._reader.kick()
 
     async def aclose(self) -> None:
+        """Close; returns once the socket is gone and its address can be bound again.
+
+        zmq_close only hands the socket to ZeroMQ's I/O thread, which closes the listening
+        descriptor a moment later (later still on a loaded machine): a caller that rebinds
+        the port, or a test that checks it is free, must not race that.
+        """
         await self._reader.aclose()
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_MONITOR_STOPPED)
         self._sock.close(0)
+        try:
+            # The socket's monitor stops when ZeroMQ destroys the socket, after its listener.
+            await asyncio.to_thread(_wait_monitor_stopped, monitor)
+        finally:
+            monitor.close(0)
 
     def __repr__(self) -> str:
         return (
             f"<Endpoint {self.address} received={self.received} dropped={self.dropped}"
             f"{' CURVE' if self._curve else ''}{' closed' if self._sock.closed else ''}>"
         )
+
+
+def _wait_monitor_stopped(monitor: zmq.Socket[bytes]) -> None:
+    """Block until `monitor` reports that its socket was destroyed (or _CLOSE_WAIT_S)."""
+    monitor.setsockopt(zmq.RCVTIMEO, int(_CLOSE_WAIT_S * 1000))
+    try:
+        while True:
+            event = monitor.recv_multipart()[0]
+            if int.from_bytes(event[:2], "little") == zmq.EVENT_MONITOR_STOPPED:
+                return
+    except zmq.Again:  # never seen; a close must not hang on it either
+        log.warning("a closed socket was not destroyed within %g s", _CLOSE_WAIT_S)
 
 
 class Channel:
