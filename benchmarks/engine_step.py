@@ -2,13 +2,19 @@
 
     python benchmarks/engine_step.py            # runs 2 and 4 workers, prints a table
     dsml run -n 4 benchmarks/engine_step.py --worker
+    sudo python benchmarks/engine_step.py --hosts 4 --rate 1gbit --batch 1024
+                                                # 4 namespaced hosts on 1 Gbit links
 
 An MLP's backward pass in numpy, layer by layer (last layer first). The sequential step
 computes every gradient, then all-reduces them one after another. The engine step pushes
 each layer's backward computation into `comm.engine` (numpy runs on the engine's thread
 pool) and pushes the layer's gradient all_reduce (`comm.push_all_reduce`) as soon as that
 gradient exists, so communication of layer L overlaps the computation of layer L-1.
-Both compute the same numbers (checked). The two variants alternate step by step; the
+Both compute the same numbers (checked). With `--hosts`, one rank runs on each of that
+many network-namespace hosts (dsml.testing.netns, links shaped with tbf to `--rate`): there
+the link, not the CPU, is the bottleneck, so compute can hide behind communication (pick
+`--batch` so that the backward pass takes about as long as the gradients' all_reduce).
+The two variants alternate step by step; the
 reported time of a step is the slowest rank's; the median over steps is printed.
 Benchmarks are not tests: nothing is asserted about time.
 """
@@ -94,7 +100,10 @@ async def engine_step(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list
             mutate=[grads[i].var, deltas[i].var],
             name=f"backward{i}",
         )
-        comm.push_all_reduce(grads[i], "avg")
+        # One all_reduce on the wire at a time (each waits for the one before to finish):
+        # collectives in flight together share the links and delay each other's steps.
+        after = [grads[i + 1].var] if i + 1 < n else []
+        comm.push_all_reduce(grads[i], "avg", read=after)
     await engine.wait_all()
     return [g.data for g in grads]
 
@@ -143,6 +152,29 @@ async def worker(steps: int, widths: list[int], batch: int) -> None:
             )
 
 
+def on_hosts(args: argparse.Namespace) -> None:
+    """One rank per namespaced host (see benchmarks/multihost.py), one table row."""
+    import sys
+
+    from multihost import dsml_group
+
+    from dsml.testing.netns import netns_hosts
+
+    argv = [sys.executable, __file__, "--worker", "--steps", str(args.steps)]
+    argv += ["--widths", args.widths, "--batch", str(args.batch)]
+    with netns_hosts(args.hosts, rate=args.rate) as hosts:
+        row = json.loads(tagged_lines(dsml_group(hosts, argv), "ENGINE_STEP")[0])
+    print(
+        f"# MLP {args.widths}, batch {args.batch} per rank, float32, {args.hosts} hosts at "
+        f"{args.rate}; median step (slowest rank)"
+    )
+    print(f"# {'hosts':>7} {'sequential ms':>14} {'engine ms':>10} {'speedup':>8}  same grads")
+    print(
+        f"  {args.hosts:>7} {row['sequential'] * 1e3:>14.1f} {row['engine'] * 1e3:>10.1f} "
+        f"{row['speedup']:>7.2f}x  {row['same_gradients']}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help="run as one rank (under dsml run)")
@@ -150,10 +182,15 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4", help="world sizes to run")
     parser.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="layer widths")
     parser.add_argument("--batch", type=int, default=BATCH, help="samples per rank")
+    parser.add_argument("--hosts", type=int, default=0, help="run on this many netns hosts")
+    parser.add_argument("--rate", default="1gbit", help="with --hosts: link rate")
     args = parser.parse_args()
     widths = [int(v) for v in args.widths.split(",")]
     if args.worker:
         asyncio.run(worker(args.steps, widths, args.batch))
+        return
+    if args.hosts:
+        on_hosts(args)
         return
     print(f"# MLP {widths}, batch {args.batch} per rank, float32; median step (slowest rank)")
     print(f"# {'workers':>7} {'sequential ms':>14} {'engine ms':>10} {'speedup':>8}  same grads")

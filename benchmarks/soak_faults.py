@@ -2,6 +2,10 @@
 
 Run: python benchmarks/soak_faults.py --minutes 2 [--seed S] [--world-size 4] [--json]
 
+(The seeded in-process soak of every membership fault, with the registry away too, is
+tests/test_membership_hardening_soak.py: 211 runs in CI, and the 1,000-run version with
+`DSML_SOAK_RUNS=1000 python -m pytest tests/test_membership_hardening_soak.py -q`.)
+
 A `dsml registry` process serves generation after generation of groups of
 `--world-size` workers (tests/scripts/loop_all_reduce.py: ring all_reduces of `--mib` MiB
 in a loop, each result checked for exactness by the worker). Into each generation, one

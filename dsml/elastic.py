@@ -37,7 +37,15 @@ import numpy as np
 
 from .communicator import Communicator, init
 from .config import CommConfig, env_int, environ
-from .errors import ConfigError, DsmlError, EvictedError, MembershipChangedError
+from .errors import (
+    ConfigError,
+    DsmlError,
+    EvictedError,
+    MemberLeftError,
+    MembershipChangedError,
+    NoQuorumError,
+    PeerLostError,
+)
 
 __all__ = ["BelowMinSizeError", "State", "run"]
 
@@ -211,6 +219,7 @@ async def run(
                 error: BaseException = exc
             except MembershipChangedError as exc:
                 error = exc
+                await _wait_for_successor(comm, exc, min_size_timeout)
             restarts += 1
             if restarts > max_restarts:
                 raise error
@@ -225,6 +234,28 @@ async def run(
 def _env_world_size(default: int) -> int:
     value = env_int(environ(), "DSML_WORLD_SIZE")
     return value if value is not None else default
+
+
+async def _wait_for_successor(
+    comm: Communicator, error: MembershipChangedError, patience: float
+) -> None:
+    """After a loss or a leave, wait until the view that follows the failed epoch is
+    known: ranks (who is rank 0, the root of the sync) are only right in that view."""
+    if not isinstance(error, PeerLostError | MemberLeftError | NoQuorumError):
+        return  # members joined: the new view is already in place
+    failed = error.epoch if error.epoch is not None else comm.epoch
+    deadline = time.monotonic() + patience
+    while comm.epoch <= failed and not comm.evicted:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return  # the next call fails again and says why
+        try:
+            view = await comm.wait_view_change(timeout=left)
+        except (TimeoutError, EvictedError):
+            return  # the next call fails again and says why
+        if view.epoch > failed:
+            return
+        await asyncio.sleep(0.01)  # a change of an older epoch is still being applied
 
 
 async def _wait_for_size(comm: Communicator, min_size: int, patience: float) -> None:

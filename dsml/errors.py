@@ -20,7 +20,9 @@ __all__ = [
     "EvictedError",
     "JobTimeoutError",
     "JoinTimeoutError",
+    "MemberLeftError",
     "MembershipChangedError",
+    "NoQuorumError",
     "PeerLostError",
     "ProtocolError",
     "RegistryUnavailableError",
@@ -105,6 +107,21 @@ class PeerLostError(MembershipChangedError):
     def __init__(self, message: str, *, lost: Sequence[int] = (), **where: object) -> None:
         super().__init__(message, **where)  # type: ignore[arg-type]
         self.lost = tuple(lost)
+
+
+class MemberLeftError(MembershipChangedError):
+    """A member closed its communicator (a graceful leave) before this collective; `left`
+    names its rank. The call after it runs in the view without that member."""
+
+    def __init__(self, message: str, *, left: Sequence[int] = (), **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.left = tuple(left)
+
+
+class NoQuorumError(MembershipChangedError):
+    """Members were lost while the registry was away and this side is no majority of the
+    view: it may not go on alone. It waits for the registry, which says which group goes
+    on (this side may be dropped and must then join again)."""
 
 
 class EvictedError(MembershipChangedError):

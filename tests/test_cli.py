@@ -183,7 +183,7 @@ def test_bench_table_has_a_header_and_one_row_per_measurement():
 def test_status_exits_1_when_no_registry_answers():
     result = dsml_cmd("status", "--registry", "tcp://127.0.0.1:9", "--wait", "0.5")
     assert result.returncode == 1
-    assert "no registry answered" in result.stdout
+    assert "no registry answered" in result.stderr
 
 
 def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():

@@ -295,3 +295,23 @@ async def test_waiting_behind_pushed_collectives_counts_against_the_timeout():
             await comm.barrier(timeout=0.2)
         gate.set()
         await comm.engine.wait_all()
+
+
+async def test_a_pushed_all_reduce_reduces_the_array_an_earlier_op_put_in_its_tag():
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            g = engine.tag("g", None)  # no array yet: the op pushed first makes it
+
+            async def produce():
+                await asyncio.sleep(0.05)  # surely after push_all_reduce below was called
+                g.data = np.full(4, float(comm.rank + 1))
+
+            engine.push(produce, mutate=[g.var])
+            done = comm.push_all_reduce(g)
+            await engine.wait_all()
+            return await done
+
+        for result in await cluster.run(program):
+            np.testing.assert_array_equal(result, np.full(4, 3.0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from typing import Any
 
 from ..errors import ConfigError, RegistryUnavailableError
@@ -33,8 +34,10 @@ def _main(args: argparse.Namespace) -> int:
     try:
         curve = _curve(args.curve_keys) if args.curve_keys else None
         status = asyncio.run(query_status(args.registry, registry_timeout=args.wait, curve=curve))
-    except RegistryUnavailableError as exc:
-        print(f"dsml status: {exc}")
+    except (RegistryUnavailableError, ConfigError) as exc:
+        print(f"dsml status: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(exc), "registry": args.registry}))
         return 1
     if args.json:
         print(json.dumps(status, indent=2))
@@ -61,15 +64,19 @@ def _render(address: str, status: dict[str, Any]) -> str:
     members = status.get("members") or []
     if members:
         lines.append(
-            f"{'rank':>4}  {'address':<24} {'host:pid':<22} {'epoch':>5} {'beat':>6}  "
-            "last started / last finished"
+            f"{'rank':>4}  {'address':<24} {'host:pid':<22} {'epoch':>5} {'beat':>6} "
+            f"{'held':>6} {'dropped':>7}  last started / last finished"
         )
         for m in members:
             age = m.get("heartbeat_age")
             beat = f"{age:.1f}s" if isinstance(age, int | float) else "-"
+            counters = m.get("counters") or {}
+            held = counters.get("held", 0)
+            dropped = sum(v for k, v in counters.items() if k.startswith("dropped"))
             lines.append(
                 f"{m.get('rank', '?'):>4}  {m['address']:<24} "
-                f"{m['host'] + ':' + str(m['pid']):<22} {m.get('epoch', 0):>5} {beat:>6}  "
+                f"{m['host'] + ':' + str(m['pid']):<22} {m.get('epoch', 0):>5} {beat:>6} "
+                f"{held:>6} {dropped:>7}  "
                 f"{_call(m.get('started'))} / {_call(m.get('finished'))}"
                 f"{'  ' + m['name'] if m.get('name') else ''}"
             )

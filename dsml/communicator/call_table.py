@@ -19,7 +19,13 @@ from typing import Any
 
 from ..collectives.group import Lane
 from ..config import CommConfig
-from ..errors import CollectiveAbortedError, CollectiveError, CollectiveMismatchError, ProtocolError
+from ..errors import (
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveMismatchError,
+    MemberLeftError,
+    ProtocolError,
+)
 from ..membership import View
 from ..transport import Mailbox
 from ..wire import Envelope, Fields, Kind
@@ -56,6 +62,8 @@ class CallTable:
         self.started: tuple[int, int, str] | None = None  # (epoch, cid, what): heartbeats
         self.finished: tuple[int, int, str] | None = None  # ... report these two
         self._aborts: dict[int, Envelope] = {}  # aborts of calls not made here yet
+        #: told when a peer said goodbye: (its rank, its last collective, calls failed)
+        self.on_peer_left: Callable[[int, int, int], None] = lambda _rank, _last, _failed: None
         self._probing: set[tuple[int, int]] = set()
         #: the tables of sub-communicators (comm.split): a failure of this table's calls
         #: (a lost member, an eviction) fails theirs too
@@ -209,9 +217,9 @@ class CallTable:
                 cid=call.cid,
                 collective=call.fingerprint.collective,
             )
-        return CollectiveMismatchError(
+        return MemberLeftError(
             goodbye_message(call.cid, call.fingerprint, self.rank, peer, last),
-            ranks=(self.rank, peer),
+            left=(peer,),
             rank=self.rank,
             epoch=call.epoch,
             cid=call.cid,
@@ -295,8 +303,9 @@ class CallTable:
         fields = Fields(env.body, "Goodbye")
         last = fields.get_int("last")
         error = fields.get_str("error", 2048, optional=True)
-        self.peer_closed(rank, last, error)
+        failed = self.peer_closed(rank, last, error)
         self.peer_messages_ended(rank)
+        self.on_peer_left(rank, last, failed)
 
     def handle_peer_message(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         if env.fingerprint is None:

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..collectives.cost import Choice, CostModel
+from ..collectives.cost_auto import AutoChooser
 from ..collectives.interop import native_arrays, with_native  # torch, JAX, DLPack, buffers
 from ..config import CommConfig
 from ..engine import Engine, OpHandle, Tagged, Var
@@ -37,6 +39,7 @@ from .placement import Placement
 from .plans import Planner, Request
 from .runner import Runner
 from .subgroups import Demux
+from .survival import Survival
 from .tasks import TaskOwner
 from .view_changes import ViewChanges, ViewListener
 
@@ -46,6 +49,7 @@ T = TypeVar("T")
 Array = Any
 
 _CLOSE_GRACE_S = 2.0  # how long closing waits for background sends (goodbyes, aborts)
+_DRAIN_S = 1.0  # how long a graceful close lets the calls in flight finish
 
 
 class Communicator:
@@ -70,8 +74,15 @@ class Communicator:
         self._registry = registry
         self._table = CallTable(links, config)
         self._views = ViewChanges(self._table, links, registry, config.view_timeout)
+        self._survival = Survival(links, self._views, registry, tasks)
         self._placement = Placement(device, config.gpu_reduce, config.chunk_bytes)
-        planner = Planner(config.chunk_bytes, self._placement)
+        self._auto = AutoChooser(  # what `auto` runs across hosts (docs/auto.md)
+            lambda: links.epoch,
+            lambda: host_keys(links.view),
+            default_chunk_bytes=config.chunk_bytes,
+            max_chunk_bytes=config.max_frame_bytes,
+        )
+        planner = Planner(config.chunk_bytes, self._placement, self._auto)
         self._runner = Runner(self._table, self._views, planner, tasks, config, loop)
         self._p2p = PointToPoint(self._table, self._placement)
         self._views.listeners.append(lambda _old, _new: self._p2p.reset())
@@ -94,6 +105,7 @@ class Communicator:
         self._views.install_first(view)
         self._registry.attach(self._views)
         self._registry.start_heartbeats(self._progress)
+        self._survival.start()
 
     def _fail(self, exc: BaseException) -> None:
         """A bug in this communicator's own machinery: fail every call, now and later, and
@@ -118,10 +130,19 @@ class Communicator:
     def _progress(self) -> dict[str, Any]:
         """A heartbeat's body (read from the heartbeat thread: plain attribute reads)."""
         started, finished = self._table.started, self._table.finished
+        counters = self._links.counters
         return {
             "epoch": self._links.epoch,
             "started": list(started) if started is not None else None,
             "finished": list(finished) if finished is not None else None,
+            "counters": {
+                "held": self._links.held_now,
+                "held_total": counters["held"],
+                "dropped": self._links.dropped_total,
+                "dropped_foreign": counters["dropped_foreign"],
+                "dropped_over_budget": counters["dropped_over_budget"],
+                "stale": counters["stale"],
+            },
         }
 
     # -- identity ---------------------------------------------------------------------------
@@ -196,14 +217,29 @@ class Communicator:
         (`recv`, `scatter` on non-roots). Collectives on an array work on its own device."""
         return self._placement.device
 
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model measured on this view, which `auto` chooses from (docs/auto.md).
+
+        None on a single host (a measured size table decides there) and, across hosts,
+        until the view's first `auto` all_reduce has measured it.
+        """
+        return self._auto.model
+
+    def all_reduce_choice(self, nbytes: int) -> Choice:
+        """What `all_reduce(algorithm="auto")` runs now for an array of nbytes."""
+        return self._auto.choice(nbytes, self._links.size)
+
     def statistics(self) -> dict[str, int]:
         """Counters of the data plane: messages dropped as malformed, of an older epoch
         (stale), for a finished call (late), held for a view not seen yet; calls in flight."""
         return {
-            "dropped": self._links.dropped,
+            "dropped": self._links.dropped_total,
             "stale": self._links.counters["stale"] + self._table.counters["stale"],
             "late": self._table.counters["late"],
             "held": self._links.counters["held"],
+            "dropped_foreign": self._links.counters["dropped_foreign"],
+            "dropped_over_budget": self._links.counters["dropped_over_budget"],
             "disconnects": self._links.counters["disconnects"],
             "views_installed": self._views.installed,
             "in_flight": len(self._table.calls),
@@ -522,12 +558,20 @@ class Communicator:
         """
         if self._runner.closed:
             return
+        self._survival.stop()
         for sub in list(self._subs):  # they say goodbye in their group before we do
             await sub.aclose(error=error, cancel=cancel)
         await self._engine_link.aclose(cancel=cancel or error is not None)
+        if error is None:  # a graceful leave: calls in flight end as they would
+            await self._runner.drain(_DRAIN_S)
+        withheld = self._runner.withdraw_cancel_aborts()
+        in_flight = min((cid for _epoch, cid in self._table.calls), default=None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
-        last = self._table.next_cid - 1
+        # The peers fail every call after `last` as a member leaving: the first call this
+        # rank did not finish (cancelled by an interrupt, or still in flight) is the one.
+        unfinished = [cid for cid in (withheld, in_flight) if cid is not None]
+        last = min(unfinished) - 1 if unfinished else self._table.next_cid - 1
         self._links.say_goodbye(last, reason)  # peers hear why first: the goodbye carries it
         await self._tasks.aclose(_CLOSE_GRACE_S)  # flushes the goodbye and other sends
         await self._links.aclose()
@@ -547,6 +591,7 @@ class Communicator:
         for sub in list(self._subs):
             await sub._crash()
         self._registry.stop_heartbeats()
+        self._survival.stop()
         await self._links.crash()
         await self._registry.aclose(linger_s=0.0)
         await self._runner.cancel_all()
@@ -573,3 +618,10 @@ class Communicator:
             f"<Communicator rank={self.rank}/{self.world_size} epoch={self.epoch} "
             f"address={self.address} in_flight={len(self._table.calls)}{state}>"
         )
+
+
+def host_keys(view: View | None) -> list[str]:
+    """Per rank, where it runs: host name and IP (equal keys share a machine's network)."""
+    if view is None:
+        return []
+    return [f"{m.host}/{m.address.split('://', 1)[-1].rsplit(':', 1)[0]}" for m in view.members]

@@ -48,9 +48,11 @@ def mismatch_message(cid: int, a: int, a_fp: Fingerprint, b: int, b_fp: Fingerpr
 
 def goodbye_message(cid: int, fp: Fingerprint, me: int, peer: int, last: int) -> str:
     return (
-        f"rank {me} is in collective #{cid} {fp.describe()}, but rank {peer} closed its "
-        f"communicator after collective #{last}: an extra call on rank {me} or a missing "
-        f"call on rank {peer}. {_ADVICE}"
+        f"collective #{cid} {fp.describe()} failed on rank {me}: rank {peer} left the group "
+        f"(closed its communicator) after collective #{last}. Inputs are unchanged. The next "
+        "call runs in the view without it (restore and re-synchronise state first: "
+        "dsml.elastic does it). If rank "
+        f"{peer} was not meant to leave yet, it made fewer calls than rank {me}"
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from ..engine import Engine, OpHandle, Tagged, Var, current_op
@@ -74,6 +75,7 @@ class EngineLink:
         """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
         started: list[CollectiveHandle[Array] | BaseException] = []
         name = f"{request.collective}({tagged.var.name})"
+        pushed = tagged.data  # (request.x may be its numpy view: see with_native)
 
         async def issue() -> None:
             op = current_op()
@@ -82,7 +84,9 @@ class EngineLink:
                 started.append(op.blocked)
                 return
             try:
-                started.append(self._start(request))
+                # An earlier op of the engine may have set the data since the push.
+                now = request if tagged.data is pushed else replace(request, x=tagged.data)
+                started.append(self._start(now))
             except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 started.append(exc)
 

@@ -4,9 +4,12 @@
 `PeerLinks` binds the worker's endpoint, keeps a channel to every peer of the installed
 view, and is the first to look at every incoming message: it checks that the sender is a
 peer of this view and claims its own rank, drops messages of older epochs (counted),
-holds messages of a view this rank has not installed yet (within a budget), and passes
-the rest to the handler registered for the message's kind (the call table's). It knows
-nothing about calls; sending is FIFO per peer, also when a peer's queue is full.
+holds messages of a view this rank has not installed yet (only from members of the
+current or an announced view, within a budget: `membership.holding`), and passes the rest
+to the handler registered for the message's kind (the call table's). Messages from
+outside the view are dropped and counted, with one warning line per sender and interval.
+Every message from a peer is a sign of life for `watch` (`membership.peerwatch`). It
+knows nothing about calls; sending is FIFO per peer, also when a peer's queue is full.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..config import CommConfig
 from ..errors import DsmlError, ProtocolError
+from ..log import Throttle
 from ..membership import View
+from ..membership.holding import FutureHold
+from ..membership.peerwatch import PeerWatch
 from ..transport import Channel, Endpoint, Sent, tune_malloc
 from ..wire import Envelope, Kind
 from .tasks import TaskOwner
@@ -29,9 +36,14 @@ __all__ = ["Inbound", "PeerLinks"]
 
 log = logging.getLogger("dsml.communicator")
 
-_MAX_HELD = 10_000  # messages of a view not seen yet ...
-_MAX_HELD_BYTES = 256 << 20  # ... and their payload bytes
+#: messages queued per connected peer before ZeroMQ stops reading from it: a flood from
+#: one sender (a non-member, say) costs at most this many of its messages in memory, and
+#: the other peers' connections are read in turn meanwhile
+_PEER_RCVHWM = 1024
+_WARN_EVERY_S = 10.0  # one warning line per sender and kind of drop in this interval
 _GOODBYE_GRACE_S = 0.05  # a dropped connection may be a goodbye still on its way
+
+_MEMBERSHIP_KINDS = frozenset({Kind.PEER_BEAT, Kind.VIEW_PROPOSAL})
 
 #: what handles one kind of message from a peer: (sender rank, envelope, payload)
 Inbound = Callable[[int, Envelope, list[memoryview]], None]
@@ -55,13 +67,18 @@ class PeerLinks:
         self.said_goodbye: Callable[[int], bool] = lambda _rank: False
         #: told about a bug met while handling a message (the communicator fails)
         self.on_bug: Callable[[BaseException], None] = lambda _exc: None
+        #: handles the messages of the membership protocol between peers (PEER_BEAT is
+        #: handled here: only its arrival matters)
+        self.on_membership: Callable[[int, Envelope], None] = lambda _rank, _env: None
+        self.watch = PeerWatch(interval=1.0, timeout=10.0)
+        self.warnings = Throttle(_WARN_EVERY_S)
+        self._hold: FutureHold[tuple[bytes, Envelope, list[memoryview]]] = FutureHold()
+        self._member_ids: dict[bytes, str] = {}  # identity -> member id, current view
         self._tasks = tasks
         self._endpoint: Endpoint | None = None
         self._channels: dict[int, Channel] = {}
         self._by_member: dict[str, Channel] = {}
         self._ranks: dict[bytes, int] = {}
-        self._held: list[tuple[bytes, Envelope, list[memoryview]]] = []
-        self._held_bytes = 0
         self._backlog: dict[int, int] = {}  # per peer: sends waiting for room
         self._turns: dict[int, asyncio.Lock] = {}
         self._inbound: Mapping[Kind, Inbound] = {}
@@ -78,6 +95,7 @@ class PeerLinks:
             max_frame_bytes=self.config.max_frame_bytes,
             name="peers",
             curve=self.config.curve,
+            rcvhwm=_PEER_RCVHWM,
         )
         return self._endpoint.address
 
@@ -93,6 +111,9 @@ class PeerLinks:
         previous = self.epoch
         self.view, self.rank = view, rank
         self._ranks = {m.id.encode(): r for r, m in enumerate(view.members)}
+        self._member_ids = {m.id.encode(): m.id for m in view.members if m.id != self.member_id}
+        self.watch.reset(self._member_ids.values(), time.monotonic())
+        self._hold.reset_allowed(self._member_ids.values())
         members = {m.id for m in view.members}
         for member_id in [m for m in self._by_member if m not in members]:
             self._tasks.spawn(self._by_member.pop(member_id).aclose(linger_s=0.0))
@@ -103,9 +124,22 @@ class PeerLinks:
         if previous:
             self._backlog.clear()
             self._turns.clear()
-        held, self._held, self._held_bytes = self._held, [], 0
-        for sender, env, payload in held:
-            self._dispatch(sender, env, payload)
+        for sender, env, payload in self._hold.release():
+            try:
+                self._dispatch(sender, env, payload)
+            except ProtocolError as exc:  # one bad early message must not fail the install
+                self.counters["dropped_held"] += 1
+                self.warnings.warning(
+                    log,
+                    f"held:{sender[:32]!r}",
+                    "dropped a held %s message: %s",
+                    env.kind.name,
+                    exc,
+                )
+
+    def announce(self, view: View) -> None:
+        """A view newer than the installed one is known: hold its members' messages too."""
+        self._hold.allow(m.id for m in view.members if m.id != self.member_id)
 
     def _channel_to(self, member_id: str, address: str) -> Channel:
         channel = self._by_member.get(member_id)
@@ -166,7 +200,10 @@ class PeerLinks:
         """Queue a message now if nothing to that peer is waiting for room; else None."""
         if self._backlog.get(peer):
             return None  # messages wait for room: do not overtake them
-        return self._channels[peer].send_nowait(env, payload)
+        sent = self._channels[peer].send_nowait(env, payload)
+        if sent is not None and self.view is not None:
+            self.watch.sent(self.view.members[peer].id, time.monotonic())
+        return sent
 
     def send_in_turn(
         self, peer: int, env: Envelope, payload: Sequence[Any] = ()
@@ -211,17 +248,25 @@ class PeerLinks:
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
         """The endpoint's reader hands every message here (the only caller)."""
+        member = self._member_ids.get(sender)
+        if member is not None:
+            self.watch.heard(member, time.monotonic())
         if self.view is None or env.epoch > self.epoch:
-            self._hold(sender, env, payload)
+            self._hold_early(sender, env, payload)
             return
         if env.epoch < self.epoch:
             self.counters["stale"] += 1
             return
         rank = self._ranks.get(sender)
         if rank is None or rank == self.rank:
-            raise ProtocolError(f"{env.kind.name} from {sender[:32]!r}, not a peer of this view")
+            self._drop_foreign(sender, env, "not a peer of this view")
+            return
         if env.src != rank:
             raise ProtocolError(f"rank {rank} claims to be rank {env.src}")
+        if env.kind in _MEMBERSHIP_KINDS:
+            if env.kind is Kind.VIEW_PROPOSAL:
+                self.on_membership(rank, env)
+            return
         handler = self._inbound.get(env.kind)
         if handler is None:
             raise ProtocolError(f"{env.kind.name} is not a peer-to-peer message")
@@ -233,13 +278,53 @@ class PeerLinks:
             log.error("handling a %s message failed", env.kind.name, exc_info=exc)
             self.on_bug(exc)
 
-    def _hold(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+    def _hold_early(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        """A message of a view not installed yet: held if its sender may send one."""
         size = sum(p.nbytes for p in payload)
-        if len(self._held) >= _MAX_HELD or self._held_bytes + size > _MAX_HELD_BYTES:
-            raise ProtocolError("too many messages for a view this rank has not seen")
-        self._held.append((sender, env, payload))
-        self._held_bytes += size
-        self.counters["held"] += 1
+        sender_id = sender.decode(errors="replace")
+        if self.view is None:  # joining: the members are not known yet (the budget holds)
+            self._hold.allow([sender_id])
+        outcome = self._hold.hold(sender_id, size, (sender, env, payload))
+        if outcome == "held":
+            self.counters["held"] += 1
+        elif outcome == "foreign":
+            self._drop_foreign(sender, env, f"epoch {env.epoch} from a non-member")
+        else:
+            self.counters["dropped_over_budget"] += 1
+            self.warnings.warning(
+                log,
+                f"budget:{sender[:32]!r}",
+                "dropped a %s message of epoch %d from %r: the budget for messages of a view "
+                "not installed yet is full (%d held, %d bytes)",
+                env.kind.name,
+                env.epoch,
+                sender[:32],
+                self._hold.frames,
+                self._hold.nbytes,
+            )
+
+    def _drop_foreign(self, sender: bytes, env: Envelope, why: str) -> None:
+        self.counters["dropped_foreign"] += 1
+        self.warnings.warning(
+            log,
+            f"foreign:{sender[:32]!r}",
+            "dropped a %s message from %r (%s)",
+            env.kind.name,
+            sender[:32],
+            why,
+        )
+
+    @property
+    def dropped_total(self) -> int:
+        """Messages dropped: malformed, from outside the view, over the holding budget."""
+        counters = self.counters
+        extra = counters["dropped_foreign"] + counters["dropped_over_budget"]
+        return self.dropped + extra + counters["dropped_held"]
+
+    @property
+    def held_now(self) -> int:
+        """Messages held for a view not installed yet, now."""
+        return len(self._hold)
 
     # -- shutdown ---------------------------------------------------------------------------
 
@@ -274,6 +359,6 @@ class PeerLinks:
     def __repr__(self) -> str:
         return (
             f"<PeerLinks rank={self.rank}/{self.size} epoch={self.epoch} "
-            f"peers={len(self._channels)} held={len(self._held)} dropped={self.dropped} "
+            f"peers={len(self._channels)} held={len(self._hold)} dropped={self.dropped} "
             f"{dict(self.counters)}>"
         )

@@ -35,7 +35,8 @@ from ..collectives import (
     scatter_direct,
 )
 from ..collectives.chunking import split_spans
-from ..collectives.group import wait_receipts
+from ..collectives.cost_auto import AutoChooser
+from ..collectives.group import Group, wait_receipts
 from ..errors import ConfigError
 from ..wire import Fingerprint
 from .call import Call
@@ -121,10 +122,13 @@ def _rows_view(x: Array) -> Array:
 class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
-    def __init__(self, chunk_bytes: int, placement: Placement) -> None:
+    def __init__(
+        self, chunk_bytes: int, placement: Placement, auto: AutoChooser | None = None
+    ) -> None:
         self._pools: dict[str, BufferPool] = {}
         self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
         self._placement = placement
+        self._auto = auto  # what `auto` runs across hosts (None: the size table)
 
     def pool(self, be: ArrayBackend) -> BufferPool:
         if be.name not in self._pools:
@@ -205,7 +209,12 @@ class Planner:
     def _all_reduce(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x, writable=True)
         reduce_op = check_op(request.op, dtype)
-        algo = self.choose_algorithm(request.algorithm, x.nbytes, size)
+        algo = check_algorithm(request.algorithm)
+        # Across hosts, auto runs what the view's measured cost model picks (agreed by all
+        # ranks, chunk size included, so the fingerprint leaves the chunk open).
+        ticket = self._auto.ticket() if algo == "auto" and self._auto and size > 1 else None
+        if ticket is None:
+            algo = self.choose_algorithm(algo, x.nbytes, size)
         fp = Fingerprint(
             "all_reduce",
             dtype=dtype,
@@ -213,16 +222,20 @@ class Planner:
             shape=x.shape,
             op=reduce_op.value,
             algorithm=algo,
-            chunk_bytes=self._chunk,
+            chunk_bytes=None if ticket is not None else self._chunk,
         )
 
         async def body(call: Call) -> Array:
             if call.size == 1:
                 return x
+            group: Group = call
+            run = algo
+            if ticket is not None:
+                group, run = await ticket.resolve(call, x.nbytes)
             src, copy = self._flat_input(be, x)
             work = self.pool(be).acquire(x.size, src.dtype)
             dst = src if copy is None else work  # x itself when contiguous: no final copy
-            pending = await ALL_REDUCE[algo](call, be, src, work, dst, reduce_op)
+            pending = await ALL_REDUCE[run](group, be, src, work, dst, reduce_op)
             if dst is work:
                 be.copy_out(work, x)
             self.pool(be).release(work, pending)

@@ -42,6 +42,12 @@ from .view_changes import ViewChanges
 
 __all__ = ["Runner"]
 
+#: A call the user cancelled is aborted at the peers after this delay, unless the
+#: communicator closes meanwhile (an interrupt cancels the call, then closes): its
+#: goodbye then names the call as the first one this rank did not make, so every peer
+#: fails that same call as a member leaving (MemberLeftError), not as an abort.
+_CANCEL_ABORT_DELAY_S = 0.05
+
 T = TypeVar("T")
 
 log = logging.getLogger("dsml.communicator")
@@ -60,6 +66,7 @@ class Runner:
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.closed = False
+        self._cancel_aborts: dict[int, asyncio.TimerHandle] = {}  # cid -> pending abort
         #: set when the communicator failed (a bug met in its own machinery): every call
         #: in flight fails with it, and so does every later call
         self.broken: DsmlError | None = None
@@ -264,7 +271,14 @@ class Runner:
         self._table.finish(call)
         rank = self._table.rank
         if task.cancelled() and call.failure is None:  # the user cancelled
-            self._table.abort(call, "cancelled", f"rank {rank} cancelled the call")
+            message = f"rank {rank} cancelled the call"
+            if self.closed:
+                pass  # closing: the goodbye fails it at the peers (as a member leaving)
+            else:
+                timer = asyncio.get_running_loop().call_later(
+                    _CANCEL_ABORT_DELAY_S, self._abort_cancelled, call, message
+                )
+                self._cancel_aborts[call.cid] = timer
         elif not task.cancelled() and call.failure is None and task.exception() is not None:
             self._table.abort(call, "failed", f"rank {rank} failed: {task.exception()!r}")
 
@@ -305,6 +319,25 @@ class Runner:
             deadline.cancel()
 
     # -- closing ----------------------------------------------------------------------------
+
+    def _abort_cancelled(self, call: Call, message: str) -> None:
+        self._cancel_aborts.pop(call.cid, None)
+        self._table.abort(call, "cancelled", message)
+
+    def withdraw_cancel_aborts(self) -> int | None:
+        """Closing: keep back the aborts of cancelled calls not sent yet; returns the
+        smallest of their collective ids (the goodbye counts them as not made)."""
+        first = min(self._cancel_aborts, default=None)
+        for timer in self._cancel_aborts.values():
+            timer.cancel()
+        self._cancel_aborts.clear()
+        return first
+
+    async def drain(self, grace_s: float) -> None:
+        """Let the collectives in flight finish, for up to `grace_s` (a graceful close)."""
+        tasks = [c.task for c in self._table.calls.values() if c.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
 
     async def cancel_all(self) -> None:
         """Refuse new calls and cancel every call in flight (the peers are told): closing

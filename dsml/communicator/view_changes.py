@@ -34,14 +34,17 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import EvictedError, MembershipChangedError, PeerLostError
+from ..errors import EvictedError, MembershipChangedError, NoQuorumError, PeerLostError
 from ..membership import Change, RegistryClient, View
 from .call import Call
 from .call_table import CallTable
 from .links import PeerLinks
 from .view_states import TRANSITIONS, ViewState, transition
+
+if TYPE_CHECKING:
+    from .survival import Survival
 
 __all__ = ["TRANSITIONS", "ViewChanges", "ViewListener", "ViewState"]
 
@@ -83,10 +86,16 @@ class ViewChanges:
         self._gate: tuple[int, int] | None = None  # (epoch, cid) from which calls wait
         self._broken: _Broken | None = None
         self._evicted: str | None = None
+        self._no_quorum: NoQuorumError | None = None  # lost without registry and majority
+        #: decides losses while the registry is away (set by `Survival`)
+        self.survival: Survival | None = None
+        #: told of every newer view known (its members' early messages may be held)
+        self.on_announced: Callable[[View], None] = lambda _view: None
         self._changed = asyncio.Event()
         #: (event, state before, state after) of the latest events, oldest first
         self.history: deque[tuple[str, ViewState, ViewState]] = deque(maxlen=64)
         links.on_peer_lost = self.peer_disconnected
+        table.on_peer_left = self.peer_left
 
     @property
     def state(self) -> ViewState:
@@ -97,6 +106,8 @@ class ViewChanges:
             return ViewState.JOINING
         broken = self._broken
         if broken is not None and broken.epoch == self.links.epoch:
+            if self._no_quorum is not None:
+                return ViewState.NO_QUORUM
             return ViewState.MEMBER_LEFT if broken.only_left else ViewState.MEMBER_LOST
         if self._transitions:
             return ViewState.JOIN_AGREED
@@ -115,9 +126,14 @@ class ViewChanges:
 
     @transition("view")
     def on_view(self, view: View, change: Change) -> None:
+        self._take_view(view, change)
+
+    def _take_view(self, view: View, change: Change) -> None:
         if self._evicted is not None or view.epoch <= self._newest_epoch():
             return
         self.latest = view
+        self._no_quorum = None  # a newer view rules
+        self.on_announced(view)
         self._gate = None
         if change.boundary is not None and change.previous == self._base()[0]:
             self._transitions.append((change.boundary, view))
@@ -180,16 +196,61 @@ class ViewChanges:
         loop = asyncio.get_running_loop()
         loop.call_later(_LOCAL_VERDICT_S, self._lost_locally, member_id, view.epoch)
 
+    @transition("peer left")
+    def peer_left(self, rank: int, last: int, failed: int) -> None:
+        """A peer said goodbye after collective `last`: the first call after it fails (once,
+        with MemberLeftError, unless one in flight already did), the next waits for the
+        view without it. Without the registry, the survivors agree on that view."""
+        view = self.links.view
+        if view is None or self._evicted is not None or not 0 <= rank < view.size:
+            return
+        broken = self._broken
+        if broken is None or broken.epoch != view.epoch:
+            broken = self._broken = _Broken(view.epoch, limit=last, owed=True, only_left=True)
+        broken.limit = min(broken.limit, last)
+        broken.owed = broken.owed and not failed
+        self._wake()
+        survival = self.survival
+        if survival is not None and not survival.registry_heard():
+            survival.peers_lost([view.members[rank].id], "left")
+
+    @transition("agreed")
+    def on_agreed(self, view: View, lost: list[str]) -> None:
+        """The survivors agreed on `view` without the registry: apply it like its view."""
+        installed = self.links.view
+        if installed is None:
+            return
+        self._take_view(view, Change(previous=installed.epoch, lost=tuple(lost)))
+
+    @transition("no quorum")
+    def on_no_quorum(self, error: NoQuorumError) -> None:
+        """Members were lost while the registry is away and this side is no majority."""
+        view = self.links.view
+        if view is None or self._evicted is not None:
+            return
+        self._no_quorum = error
+        if self._broken is None or self._broken.epoch != view.epoch:
+            self._broken = _Broken(view.epoch, owed=True)
+        self._broken.only_left = False
+        self._broken.lost.setdefault(-1, "no majority of the group is reachable")
+        failed = self.table.fail_all(lambda call: self._no_quorum_error(call))
+        self._broken.owed = self._broken.owed and not failed
+        self._wake()
+
     @transition("peer dropped")
     def _lost_locally(self, member_id: str, epoch: int) -> None:
         view = self.links.view
         rank = view.rank_of(member_id) if view is not None else None
         if view is None or rank is None or view.epoch != epoch or self._evicted is not None:
             return  # a new view came, or this rank left
+        if self.survival is not None and self.survival.stopped:
+            return  # this rank is closing
         failed = self._failed_view
         if rank in self.table.closed_after or (failed is not None and failed.epoch > epoch):
             return  # it said goodbye after all, or the registry's verdict is in
         log.warning("no word from the registry: giving up the calls with rank %d", rank)
+        if self.survival is not None:
+            self.survival.peers_lost([member_id], "disconnected")
         if self._broken is None or self._broken.epoch != view.epoch:
             self._broken = _Broken(view.epoch, owed=True)
         self._broken.only_left = False
@@ -256,6 +317,9 @@ class ViewChanges:
             if broken is not None and broken.epoch == self.links.epoch:
                 if cid <= broken.limit:
                     return
+                if self._no_quorum is not None:
+                    broken.owed = False
+                    raise self._no_quorum_error(None)
                 if broken.owed:
                     broken.owed = False
                     if not broken.only_left:
@@ -311,6 +375,8 @@ class ViewChanges:
                 while self._failed_view is None or self._failed_view.epoch <= self.links.epoch:
                     if self._evicted is not None:
                         raise self._evicted_error(None)
+                    if self._no_quorum is not None:
+                        raise self._no_quorum_error(None)
                     await self._next_change()
         except TimeoutError:
             raise PeerLostError(
@@ -355,6 +421,7 @@ class ViewChanges:
         if self._transitions and self._transitions[0][1] is view:
             self._transitions.pop(0)  # the agreed join this install completes
         self.installed += 1
+        self._no_quorum = None
         if self._broken is not None and self._broken.epoch < view.epoch:
             self._broken = None
         if self.latest is None or self.latest.epoch < view.epoch:
@@ -384,6 +451,15 @@ class ViewChanges:
         broken, failed = self._broken, self._failed_view
         if broken is not None and not broken.only_left and failed is not None:
             return failed if failed.epoch > view.epoch else view
+        if (
+            broken is not None
+            and broken.only_left
+            and failed is not None
+            and failed.epoch > view.epoch
+            and not broken.owed
+            and self.table.next_cid > broken.limit
+        ):
+            return failed  # a leave: the calls of the old view are over here
         if self._transitions and self.table.next_cid >= self._transitions[0][0]:
             return self._transitions[0][1]
         return view
@@ -412,6 +488,10 @@ class ViewChanges:
     def evicted(self) -> bool:
         return self._evicted is not None
 
+    @property
+    def no_quorum(self) -> bool:
+        return self._no_quorum is not None
+
     # -- errors ---------------------------------------------------------------------------------
 
     def _lost_error(self, call: Call | None) -> PeerLostError:
@@ -438,6 +518,21 @@ class ViewChanges:
             lost=sorted(r for r in lost if r >= 0),
             rank=self.links.rank,
             epoch=epoch,
+            cid=call.cid if call is not None else None,
+            collective=call.fingerprint.collective if call is not None else None,
+        )
+
+    def _no_quorum_error(self, call: Call | None) -> NoQuorumError:
+        what = (
+            f"collective #{call.cid} {call.fingerprint.describe()} failed on rank "
+            f"{self.links.rank}: "
+            if call is not None and call.cid
+            else ""
+        )
+        return NoQuorumError(
+            f"{what}{self._no_quorum}",
+            rank=self.links.rank,
+            epoch=self.links.epoch,
             cid=call.cid if call is not None else None,
             collective=call.fingerprint.collective if call is not None else None,
         )

@@ -29,12 +29,13 @@ class ViewState(enum.Enum):
     JOIN_AGREED = "join agreed"  # a boundary is agreed: the call there installs the new view
     MEMBER_LEFT = "member left"  # calls up to the leaver's last run; the next fails once
     MEMBER_LOST = "member lost"  # calls in flight failed; the next waits for the new view
+    NO_QUORUM = "no quorum"  # lost members without the registry, no majority: calls fail
     EVICTED = "evicted"  # this rank was declared dead: every call fails (final)
 
 
 S = ViewState
 _ANY = frozenset(ViewState) - {S.JOINING, S.EVICTED}
-_BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST})
+_BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST, S.NO_QUORUM})
 
 #: event -> state before -> the states it may lead to. Everything not listed is a bug.
 TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
@@ -59,14 +60,30 @@ TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
     },
     # a peer's connection dropped and the registry did not rule in time
     "peer dropped": {
-        **{s: frozenset({s, S.MEMBER_LOST}) for s in _ANY},
+        **{s: frozenset({s, S.MEMBER_LOST, S.NO_QUORUM}) for s in _ANY},
         S.EVICTED: frozenset({S.EVICTED}),
     },
+    # a peer said goodbye: calls up to its last run, the next fails once (a leave);
+    # without the registry the survivors agree on the view without it (or lack quorum)
+    "peer left": {
+        **{s: frozenset({s, S.MEMBER_LEFT, S.MEMBER_LOST, S.NO_QUORUM}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # the survivors agreed on a view without the registry (see survival.py)
+    "agreed": {
+        **{s: frozenset({s, S.MEMBER_LOST, S.MEMBER_LEFT}) for s in _ANY},
+        S.EVICTED: frozenset({S.EVICTED}),
+    },
+    # members were lost without the registry and this side is no majority: calls fail
+    # with NoQuorumError until the registry rules
+    "no quorum": {**{s: frozenset({S.NO_QUORUM}) for s in _ANY}, S.EVICTED: frozenset({S.EVICTED})},
     # this rank was declared dead (an eviction of an older epoch changes nothing)
     "evicted": {**{s: frozenset({s, S.EVICTED}) for s in _ANY}, S.EVICTED: frozenset({S.EVICTED})},
     # a call boundary installed the next view (after a loss, a leave or an agreed join)
     "installed": {
-        s: frozenset({S.STEADY, S.JOIN_PROPOSED, S.JOIN_AGREED, S.MEMBER_LOST, S.MEMBER_LEFT})
+        s: frozenset(
+            {S.STEADY, S.JOIN_PROPOSED, S.JOIN_AGREED, S.MEMBER_LOST, S.MEMBER_LEFT, S.NO_QUORUM}
+        )
         for s in {S.JOIN_AGREED, *_BROKEN}
     },
 }

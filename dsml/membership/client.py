@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,6 +49,8 @@ class RegistryClient:
         self.view: View | None = None
         self.listener: Listener | None = None
         self.heartbeat_interval = 1.0
+        self.heartbeat_timeout = 10.0
+        self.last_heard = time.monotonic()  # when the registry last said anything to us
         self._replies: Mailbox[Envelope] = Mailbox()
         self._view_changed = asyncio.Event()
         self._channel: Channel | None = None
@@ -65,6 +68,9 @@ class RegistryClient:
         )
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        self.last_heard = time.monotonic()
+        if env.kind is Kind.HEARTBEAT_ACK:
+            return  # only its arrival matters: the registry hears this member
         if env.kind in _REPLY_KINDS:
             self._replies.put(env.kind, None, env)
         elif env.kind is Kind.VIEW_CHANGED:
@@ -80,8 +86,11 @@ class RegistryClient:
             fields = Fields(env.body, "Evicted")
             self.listener.on_evicted(fields.get_int("epoch"), fields.get_str("reason", 1024))
         elif env.kind is Kind.REREGISTER:
-            interval = Fields(env.body, "Reregister").get_float("heartbeat_interval", 1e-3, 3600)
+            fields = Fields(env.body, "Reregister")
+            interval = fields.get_float("heartbeat_interval", 1e-3, 3600)
             self.heartbeat_interval = interval
+            if fields.has("heartbeat_timeout"):
+                self.heartbeat_timeout = fields.get_float("heartbeat_timeout", 2e-3, 36000)
             if self._beacon is not None:
                 self._beacon.interval = interval  # this registry's settings from now on
             if self.view is not None:
@@ -99,6 +108,7 @@ class RegistryClient:
         if self.view is not None and view.epoch <= self.view.epoch:
             return
         self.heartbeat_interval = change.heartbeat_interval
+        self.heartbeat_timeout = change.heartbeat_timeout
         if self.listener is None and self.view is not None:
             self._early.append((view, change))  # for the listener, once there is one
             return
@@ -138,6 +148,11 @@ class RegistryClient:
             self._beacon.stop()
             self._beacon = None
 
+    def registry_silent_for(self) -> float:
+        """Seconds since the registry last said anything to this member (it acknowledges
+        every heartbeat, so more than the heartbeat timeout means it is away)."""
+        return time.monotonic() - self.last_heard
+
     @property
     def beacon(self) -> Beacon | None:
         return self._beacon
@@ -145,6 +160,14 @@ class RegistryClient:
     def suspect(self, member_id: str, epoch: int) -> None:
         """Report that the connection to `member_id` dropped (the registry checks it)."""
         self._send_nowait(Kind.SUSPECT, {"member": member_id, "epoch": epoch})
+
+    def agreed(self, view: View, previous: int, lost: list[str]) -> None:
+        """Tell the registry the survivors of epoch `previous` agreed on `view` without it
+        (it adopts the view when it hears this, or asks again after a heartbeat)."""
+        if self.view is None or view.epoch > self.view.epoch:
+            self.view = view  # what this member reports from now on (REJOIN)
+        body = {"view": view.to_wire(), "previous": previous, "lost": lost}
+        self._send_nowait(Kind.VIEW_AGREED, body)
 
     def ready(self, epoch: int, next_cid: int) -> None:
         """Answer a proposal: collectives from `next_cid` on wait for the registry."""
@@ -182,10 +205,10 @@ class RegistryClient:
                 f"the registry at {self.address} refused to add this worker: {reason}"
             )
         if reply.kind is Kind.JOIN_ACCEPTED:
-            interval = Fields(reply.body, "JoinAccepted").get_float(
-                "heartbeat_interval", 1e-3, 3600.0
-            )
-            self.heartbeat_interval = interval
+            fields = Fields(reply.body, "JoinAccepted")
+            self.heartbeat_interval = fields.get_float("heartbeat_interval", 1e-3, 3600.0)
+            if fields.has("heartbeat_timeout"):
+                self.heartbeat_timeout = fields.get_float("heartbeat_timeout", 2e-3, 36000.0)
         try:
             async with asyncio.timeout(self.config.join_timeout):
                 while not self._view_changed.is_set():

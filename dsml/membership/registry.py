@@ -8,8 +8,10 @@ thread whose identity is the member id plus `.hb`.
   `dsml run` does) get it. When `world_size` members have joined, the group forms at a new
   epoch and every member gets the view.
 - Liveness: a member silent for `heartbeat_timeout` is declared dead. A member whose peer
-  connection dropped reports it (SUSPECT); the registry checks that the suspect's own
-  connection to the registry is gone too, and declares it dead at once if so. A member that
+  connection dropped, or went silent, reports it (SUSPECT); the registry checks that the
+  suspect's own connection to the registry is gone too, and declares it dead at once if
+  so. A member that most of the others report (a strict majority of them) is cut off from
+  the group and dropped even if it still reaches the registry. A member that
   was declared dead and comes back is told it was evicted.
 - Views: every change of membership makes a view with a higher epoch, ranks renumbered
   0..n-1 in the previous ring order. A loss or a leave ends the old epoch at once. Joiners
@@ -18,6 +20,14 @@ thread whose identity is the member id plus `.hb`.
 - Restarts: a registry that hears heartbeats from members it does not know asks them for
   their view (REREGISTER/REJOIN) and adopts the newest; nobody is evicted before a full
   heartbeat timeout has passed since the restart.
+- Away: the registry being unreachable is not the members being dead (`liveness`). Silent
+  members are evicted only when they cannot be a group of their own (no strict majority of
+  the view, or disconnected); a registry that was stopped (SIGSTOP, a hung host) credits
+  the time it did not run to everyone and, after a long stall, re-learns the members as
+  after a restart. Survivors of a loss that happened meanwhile agree on a view among
+  themselves (`agreement`) and report it (VIEW_AGREED, or REJOIN when asked about a
+  heartbeat from a newer epoch); the registry adopts it if it descends from its own view
+  (a subset, in the same ring order).
 
 Malformed messages are dropped and counted; the registry keeps serving.
 """
@@ -36,6 +46,7 @@ from ..config import RegistryConfig
 from ..errors import ConfigError, ProtocolError
 from ..transport import Endpoint, check_address
 from ..wire import Envelope, Fields, Kind
+from .liveness import Liveness, StallDetector, evictable
 from .pool import WorkerPool
 from .view import Change, Member, View
 
@@ -55,18 +66,6 @@ class _Joiner:
     member: Member
     world_size: int
     wanted_rank: int | None
-
-
-@dataclass(slots=True)
-class _Liveness:
-    """What the registry knows of one member's health and progress."""
-
-    last_seen: float
-    epoch: int = 0
-    beats: int = 0
-    view_sent: float = 0.0  # when the current view was last sent again to it
-    started: list[Any] | None = None  # [epoch, cid, description] of the last started call
-    finished: list[Any] | None = None  # ... and of the last finished one
 
 
 @dataclass(slots=True)
@@ -91,11 +90,16 @@ class Registry:
         self._view: View | None = None
         self._change = Change()
         self._epoch = 0
-        self._live: dict[str, _Liveness] = {}
+        self._live: dict[str, Liveness] = {}
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
         self._suspects: set[str] = set()  # being checked
+        self._reports: dict[str, set[str]] = {}  # suspect -> members that lost it, this epoch
+        self._reports_from = 0.0  # reports before this (queued while it was away) are old
         self.pool = WorkerPool()  # worker daemons waiting for jobs (`dsml worker`)
         self._started_at = time.monotonic()
+        self.stalls = 0  # times the registry found it had not run for a while
+        self.kept_silent = 0  # watchdog rounds that kept silent members (no quorum heard)
+        self.adopted = 0  # views agreed by survivors without the registry, adopted
         self._tasks: set[asyncio.Task[Any]] = set()
         self._window: asyncio.TimerHandle | None = None
         self._handlers: dict[Kind, Callable[[bytes, Envelope], None]] = {
@@ -106,6 +110,7 @@ class Registry:
             Kind.SUSPECT: self.handle_suspect,
             Kind.READY: self.handle_ready,
             Kind.REJOIN: self.handle_rejoin,
+            Kind.VIEW_AGREED: self.handle_view_agreed,
             Kind.WORKER_HELLO: self.handle_worker_hello,
             Kind.WORKER_BYE: self.handle_worker_bye,
         }
@@ -205,7 +210,7 @@ class Registry:
             log.warning("refused %s: %s", member.describe(), reason)
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": reason})
             return
-        accepted = {"heartbeat_interval": self.config.heartbeat_interval}
+        accepted = self._settings()
         if self._view is not None:  # a running group: admit at an agreed boundary
             self._pending[member.id] = member
             accepted |= {"joined": len(self._pending), "world_size": self._view.size}
@@ -312,12 +317,14 @@ class Registry:
             left=change.left,
             joined=change.joined,
             heartbeat_interval=self.config.heartbeat_interval,
+            heartbeat_timeout=self.config.heartbeat_timeout,
         )
         self._view = View(self._epoch, members)
         self._change = change
+        self._reports.clear()
         self.views_published += 1
         for member in members:
-            self._live.setdefault(member.id, _Liveness(last_seen=now, view_sent=now))
+            self._live.setdefault(member.id, Liveness(last_seen=now, view_sent=now))
         for gone in [m for m in self._live if self._view.rank_of(m) is None]:
             del self._live[gone]
         log.info(
@@ -384,15 +391,23 @@ class Registry:
         epoch = fields.get_int("epoch")
         started = _progress(fields, "started")
         finished = _progress(fields, "finished")
+        counters = _counters(env.body)
         live = self._live.get(member_id)
         if live is not None:
             now = time.monotonic()
             live.last_seen = now
             live.epoch, live.started, live.finished = epoch, started, finished
+            live.counters = counters
             live.beats += 1
-            if (
-                self._view is not None
-                and epoch < self._view.epoch
+            self._reply(member_id.encode(), Kind.HEARTBEAT_ACK, {"epoch": self._epoch})
+            if self._view is None:
+                return
+            if epoch > self._view.epoch and now - live.asked_view > self.config.heartbeat_interval:
+                # The survivors agreed on a view while this registry was away: ask for it.
+                live.asked_view = now
+                self._reply(member_id.encode(), Kind.REREGISTER, self._settings())
+            elif (
+                epoch < self._view.epoch
                 and now - live.view_sent > 2 * self.config.heartbeat_interval
             ):
                 # It may never have got the view (its channel was reconnecting): again.
@@ -406,32 +421,74 @@ class Registry:
                 {"epoch": evicted_at, "reason": "it was declared dead (silent for too long)"},
             )
         elif epoch > 0 and member_id not in self._pending and member_id not in self._joining:
-            interval = {"heartbeat_interval": self.config.heartbeat_interval}
-            self._reply(member_id.encode(), Kind.REREGISTER, interval)  # from before a restart
+            self._reply(member_id.encode(), Kind.REREGISTER, self._settings())  # a restart
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "heartbeat_interval": self.config.heartbeat_interval,
+            "heartbeat_timeout": self.config.heartbeat_timeout,
+        }
 
     async def _watchdog(self) -> None:
-        """Declare dead the members silent for longer than the heartbeat timeout."""
+        """Declare dead the members silent for longer than the heartbeat timeout (see
+        `liveness`: only with a majority heard, and never for the registry's own stall)."""
         period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
+        stall = StallDetector(period, tolerance=period / 2)
+        stall.tick(time.monotonic())
         while True:
             await asyncio.sleep(period)
+            late = stall.tick(time.monotonic())
+            if late:
+                self._stalled(late)
             for name in self.pool.expire(self.config.heartbeat_timeout):
                 log.warning("worker %s stopped sending heartbeats; no longer listed", name)
-            if self._view is None:
-                continue
-            now = time.monotonic()
-            grace_ends = self._started_at + self.config.heartbeat_timeout
-            silent = [
-                m.id
-                for m in self._view.members
-                if now - self._live[m.id].last_seen > self.config.heartbeat_timeout
-            ]
-            if silent and now >= grace_ends:
-                self._remove(
-                    silent,
-                    [],
-                    f"no heartbeat from {', '.join(silent)} for "
-                    f"{self.config.heartbeat_timeout:g} s",
+            self._evict_silent()
+
+    def _stalled(self, late: float) -> None:
+        """The registry did not run for `late` seconds: that silence is not the members'."""
+        self.stalls += 1
+        for live in self._live.values():
+            live.last_seen += late
+        if late > self.config.heartbeat_timeout / 2:
+            log.warning(
+                "the registry did not run for %.1f s (stopped, or its host hung); "
+                "re-learning the members before anyone can be declared dead",
+                late,
+            )
+            self._started_at = time.monotonic()  # a full timeout of grace, as after a restart
+            self._reports_from = self._started_at + self.config.heartbeat_timeout
+
+    def _evict_silent(self) -> None:
+        if self._view is None:
+            return
+        now = time.monotonic()
+        if now < self._started_at + self.config.heartbeat_timeout:
+            return
+        assert self._endpoint is not None
+        endpoint = self._endpoint
+        silent, kept = evictable(
+            [m.id for m in self._view.members],
+            self._live,
+            now,
+            self.config.heartbeat_timeout,
+            lambda member: endpoint.reachable(member.encode(), Envelope(Kind.PING)),
+        )
+        if kept:
+            self.kept_silent += 1
+            if self.kept_silent == 1 or self.kept_silent % 50 == 0:
+                log.warning(
+                    "no heartbeat from %s for %g s, but they are a majority of the group "
+                    "and still connected: the registry may be the one cut off, and they may "
+                    "run on without it, so nobody is evicted for it",
+                    ", ".join(kept),
+                    self.config.heartbeat_timeout,
                 )
+        if silent:
+            self._remove(
+                silent,
+                [],
+                f"no heartbeat from {', '.join(silent)} for {self.config.heartbeat_timeout:g} s",
+            )
 
     def handle_suspect(self, sender: bytes, env: Envelope) -> None:
         fields = Fields(env.body, "Suspect")
@@ -441,8 +498,23 @@ class Registry:
         view = self._view
         if view is None or epoch > self._epoch or view.rank_of(reporter) is None:
             return
-        if view.rank_of(suspect) is None or suspect in self._suspects:
-            return  # already gone (a report about an older epoch may still be news)
+        if view.rank_of(suspect) is None:
+            return  # already gone
+        if epoch == self._epoch and suspect != reporter and time.monotonic() >= self._reports_from:
+            reporters = self._reports.setdefault(suspect, set())
+            reporters.add(reporter)
+            if 2 * len(reporters) > view.size - 1:
+                # Most of the group lost its links to it: cut off from the group, even if
+                # it still reaches the registry (the data path is what it is for).
+                self._remove(
+                    [suspect],
+                    [],
+                    f"member {suspect} is cut off from the group ({len(reporters)} of "
+                    f"{view.size - 1} members lost their links to it)",
+                )
+                return
+        if suspect in self._suspects:
+            return  # being checked (a report about an older epoch may still be news)
         self._suspects.add(suspect)
         self._spawn(self._check_suspect(suspect, self._epoch, reporter))
 
@@ -481,26 +553,90 @@ class Registry:
     # -- restarts ---------------------------------------------------------------------------
 
     def handle_rejoin(self, sender: bytes, env: Envelope) -> None:
-        """A member of a group this registry did not form (it restarted) reports its view."""
+        """A member reports its view: the registry restarted, or the member is at a newer
+        epoch than the registry (its survivors agreed on a view while it was away)."""
         member_id = self._member_of(sender)
         view = View.from_wire(Fields(env.body, "Rejoin").get_map("view"))
         if view.rank_of(member_id) is None:
             raise ProtocolError("Rejoin: the view does not list its sender")
+        self._adopt(member_id, view, "as its members report it")
+
+    def handle_view_agreed(self, sender: bytes, env: Envelope) -> None:
+        """Survivors agreed on `view` without the registry: adopt it if it descends from
+        the registry's own view."""
+        member_id = self._member_of(sender)
+        fields = Fields(env.body, "ViewAgreed")
+        view = View.from_wire(fields.get_map("view"))
+        if view.rank_of(member_id) is None:
+            raise ProtocolError("ViewAgreed: the view does not list its sender")
+        self._adopt(member_id, view, "agreed by the survivors while the registry was away")
+
+    def _adopt(self, member_id: str, view: View, how: str) -> None:
         now = time.monotonic()
-        if self._view is None or view.epoch > self._epoch:
-            log.warning("adopting epoch %d of %d members after a restart", view.epoch, view.size)
-            self._view, self._epoch = view, view.epoch
-            self._change = Change(
-                previous=view.epoch, heartbeat_interval=self.config.heartbeat_interval
-            )
-            self._live = {m.id: _Liveness(last_seen=now) for m in view.members}
-            self._started_at = now  # a full timeout of grace for everyone to re-register
-        elif view.epoch < self._epoch or self._view.rank_of(member_id) is None:
+        current = self._view
+        if current is None or view.epoch > self._epoch:
+            if current is not None and not _descends(current, view):
+                # Not a successor of ours (a member of some other history): it is not ours.
+                self._reply(
+                    member_id.encode(),
+                    Kind.EVICTED,
+                    {"epoch": self._epoch, "reason": "its view is not one of this group's"},
+                )
+                return
+            self._take(view, how, now)
+        elif view.epoch < self._epoch or current.rank_of(member_id) is None:
             self._reply(
-                sender, Kind.EVICTED, {"epoch": self._epoch, "reason": "the group moved on"}
+                member_id.encode(),
+                Kind.EVICTED,
+                {"epoch": self._epoch, "reason": "the group moved on"},
             )
             return
-        self._live[member_id].last_seen = now
+        elif view.members != current.members:
+            # Same epoch, other members: the registry published its own view meanwhile.
+            # One more epoch, of the members both views share, settles it for everyone.
+            lost = [m.id for m in current.members if view.rank_of(m.id) is None]
+            self._remove(lost, [], f"settling two views of epoch {view.epoch}")
+            return
+        live = self._live.get(member_id)
+        if live is not None:
+            live.last_seen = now
+            live.epoch = max(live.epoch, view.epoch)
+
+    def _take(self, view: View, how: str, now: float) -> None:
+        """Make `view` the registry's view as it is (same epoch: members already run it)."""
+        previous = self._view
+        lost = [m.id for m in previous.members if view.rank_of(m.id) is None] if previous else []
+        log.warning(
+            "adopting epoch %d of %d members, %s%s",
+            view.epoch,
+            view.size,
+            how,
+            f" (without {', '.join(lost)})" if lost else "",
+        )
+        self.adopted += 1 if previous is not None else 0
+        self._view, self._epoch = view, view.epoch
+        self._reports.clear()
+        self._proposal = None  # answers to a proposal refer to an epoch that is over
+        self._change = Change(
+            previous=previous.epoch if previous else view.epoch,
+            lost=tuple(lost),
+            heartbeat_interval=self.config.heartbeat_interval,
+            heartbeat_timeout=self.config.heartbeat_timeout,
+        )
+        self._live = {m.id: Liveness(last_seen=now, view_sent=now) for m in view.members}
+        self._started_at = now  # a full timeout of grace for everyone to report in
+        # Reports of silent peers queued while the registry was away describe a past
+        # that the adopted view already settled: they only get the connection check.
+        self._reports_from = now + self.config.heartbeat_timeout
+        for member_id in lost:
+            self._evicted[member_id] = view.epoch
+            reason = f"the other members went on without it at epoch {view.epoch}"
+            self._reply(member_id.encode(), Kind.EVICTED, {"epoch": view.epoch, "reason": reason})
+        if previous is not None:
+            for member in view.members:  # stragglers learn it; the others ignore it
+                self._send_view(member.id, view, self._change)
+        if self._pending:
+            self._schedule_proposal()
 
     # -- worker daemons ---------------------------------------------------------------------
 
@@ -532,6 +668,7 @@ class Registry:
                     "heartbeats": live.beats if live else 0,
                     "started": live.started if live else None,
                     "finished": live.finished if live else None,
+                    "counters": dict(live.counters) if live else {},
                 }
             )
         return {
@@ -548,6 +685,8 @@ class Registry:
             "views_published": self.views_published,
             "dropped_messages": self.dropped_messages,
             "undelivered_replies": self.undelivered,
+            "stalls": self.stalls,
+            "views_adopted": self.adopted,
         }
 
     def _target_size(self) -> int:
@@ -560,6 +699,25 @@ class Registry:
             f"<Registry {address} {state} joining={len(self._joining) + len(self._pending)} "
             f"dropped={self.dropped_messages}>"
         )
+
+
+def _descends(old: View, new: View) -> bool:
+    """Whether `new` keeps only members of `old`, in `old`'s ring order."""
+    ranks = [old.rank_of(m.id) for m in new.members]
+    return None not in ranks and ranks == sorted(ranks)  # type: ignore[type-var]
+
+
+def _counters(body: Any) -> dict[str, int]:
+    """A heartbeat's message counters (held, dropped, ...): a small map of counts."""
+    raw = body.get("counters") if isinstance(body, dict) else None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > 16:
+        raise ProtocolError("Heartbeat.counters must be a map of at most 16 counts")
+    for key, number in raw.items():
+        if type(key) is not str or len(key) > 32 or type(number) is not int or number < 0:
+            raise ProtocolError("Heartbeat.counters maps short names to counts")
+    return dict(raw)
 
 
 def _progress(fields: Fields, key: str) -> list[Any] | None:

@@ -107,6 +107,7 @@ class Change:
     left: tuple[tuple[str, int], ...] = ()
     joined: tuple[str, ...] = ()
     heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -116,6 +117,7 @@ class Change:
             "left": [[member, last] for member, last in self.left],
             "joined": list(self.joined),
             "heartbeat_interval": self.heartbeat_interval,
+            "heartbeat_timeout": self.heartbeat_timeout,
         }
 
     @classmethod
@@ -137,4 +139,9 @@ class Change:
             left=tuple(left),
             joined=tuple(fields.get_str_list("joined")),
             heartbeat_interval=fields.get_float("heartbeat_interval", 1e-3, 3600.0),
+            heartbeat_timeout=(
+                fields.get_float("heartbeat_timeout", 2e-3, 36000.0)
+                if fields.has("heartbeat_timeout")
+                else 10.0
+            ),
         )

@@ -155,12 +155,18 @@ def _zero_copy_frames(
     """Wrap the buffers that are large enough to go without copying in tracked frames.
 
     pyzmq's `send_multipart(track=True)` tracks only the last frame, so each large buffer
-    gets its own tracked frame and the receipt watches all of them.
+    gets its own tracked frame and the receipt watches all of them. A whole received
+    frame passed on (the ring's all-gather forwards what arrives) goes as that frame:
+    libzmq shares its memory, and with nothing of ours in it there is nothing to track
+    (and no hand-back to pyzmq's collector thread when libzmq is done with it).
     """
     parts: list[Any] = []
     tracked: list[zmq.Frame] = []
     for buf in payload:
-        if memoryview(buf).nbytes >= threshold:
+        owner: object = buf.obj if isinstance(buf, memoryview) else None
+        if isinstance(owner, zmq.Frame) and buf.nbytes == len(owner):
+            parts.append(owner)
+        elif memoryview(buf).nbytes >= threshold:
             frame = zmq.Frame(buf, copy=False, track=True)
             tracked.append(frame)
             parts.append(frame)
@@ -219,17 +225,19 @@ class Endpoint:
         max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
         name: str = "endpoint",
         curve: Curve | None = None,
+        rcvhwm: int = _HWM,
     ) -> Endpoint:
         """Bind address (port 0: the OS chooses) and start the reader task.
 
         With `curve`, only clients whose public key is in `curve.authorized` (read now) get
-        through; others' messages never reach the handler.
+        through; others' messages never reach the handler. `rcvhwm` caps the messages
+        queued per connected peer before ZeroMQ stops reading from it (backpressure).
         """
         check_address(address, "bind address")
         sock = new_socket(
             zmq.ROUTER,
             MAXMSGSIZE=max_frame_bytes,
-            RCVHWM=_HWM,
+            RCVHWM=rcvhwm,
             SNDHWM=_HWM,
             ROUTER_MANDATORY=1,
         )

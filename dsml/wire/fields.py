@@ -29,6 +29,10 @@ class Fields:
         self._body = body
         self._what = what
 
+    def has(self, key: str) -> bool:
+        """Whether the body has that field (for fields newer peers add)."""
+        return key in self._body
+
     def _get(self, key: str, optional: bool) -> Any:
         if key not in self._body:
             if optional:

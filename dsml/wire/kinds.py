@@ -31,6 +31,8 @@ class Kind(enum.IntEnum):
     PING = 15  # registry: "are you connected?" (ignored; only its delivery matters)
     WORKER_HELLO = 16  # worker daemon: "I serve jobs at this address; idle or busy" (periodic)
     WORKER_BYE = 17  # worker daemon: "I am shutting down"
+    VIEW_AGREED = 18  # worker: "while you were away, the survivors agreed on this view"
+    HEARTBEAT_ACK = 19  # registry: "I heard your heartbeat" (epoch): the member knows it is heard
 
     # -- data plane: peer <-> peer --------------------------------------------------------
     CHUNK = 20  # peer: "payload of step/chunk of collective #cid" (raw frames follow)
@@ -40,6 +42,8 @@ class Kind(enum.IntEnum):
     GOODBYE = 24  # peer: "I closed my communicator after collective #cid"
     PEER_MESSAGE = 25  # peer: "point-to-point payload for (tag, sequence)" (send/recv)
     CONFIRM = 26  # peer: "I reached round `step` of the agreement of collective #cid"
+    PEER_BEAT = 27  # peer: "I am alive and at this epoch" (links idle longer than an interval)
+    VIEW_PROPOSAL = 28  # peer: "without the registry, I count these members of epoch e lost"
 
     # -- jobs: client <-> worker daemon -------------------------------------------------------
     JOB_SUBMIT = 30  # client: "run this function as rank r of a job" (pickled fn + raw frames)

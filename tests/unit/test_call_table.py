@@ -10,7 +10,12 @@ from dsml.collectives.group import Lane
 from dsml.communicator.call import Call, DeadlinePassed
 from dsml.communicator.call_table import PEER_LEFT, CallTable
 from dsml.communicator.diagnose import abort_body
-from dsml.errors import CollectiveAbortedError, CollectiveMismatchError, PeerLostError
+from dsml.errors import (
+    CollectiveAbortedError,
+    CollectiveMismatchError,
+    MemberLeftError,
+    PeerLostError,
+)
 from dsml.wire import Envelope, Fingerprint, Kind
 
 from .fakes import FakeLinks, view
@@ -92,7 +97,7 @@ async def test_a_goodbye_fails_later_calls_only_and_ends_receives_from_that_peer
     table.add_receive(receive)
     table.handle_goodbye(1, Envelope(Kind.GOODBYE, 1, 1, body={"last": 1}), [])
     assert first.failure is None
-    assert isinstance(second.failure, CollectiveMismatchError)
+    assert isinstance(second.failure, MemberLeftError)
     env, _ = await table.mailbox.get(("p2p", 1), (1, 7))
     assert env is PEER_LEFT
 

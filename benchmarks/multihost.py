@@ -1,0 +1,207 @@
+"""dsml against torch.distributed (Gloo) on 4 namespaced hosts with shaped links.
+
+    sudo python benchmarks/multihost.py                          # 1gbit and 10gbit, 3 repeats
+    sudo python benchmarks/multihost.py --rates 1gbit --sizes 4K,1M,16M --repeat 5 --json out.json
+
+Builds `--hosts` network namespaces on one bridge (dsml.testing.netns: every link shaped
+both ways with tbf), one rank per host, and for each rate runs, `--repeat` times and
+interleaved (dsml, Gloo, dsml, Gloo, ...): every dsml algorithm (`auto` and each one by
+name, all in one group) and Gloo at every size. Prints per size the median over repeats of
+each side's median call time, the spread over repeats, the bus bandwidth, `auto` against
+the best dsml algorithm, and Gloo's time over `auto`'s (> 1: dsml faster); and the cost
+model `auto` measured. Needs root, iproute2 and torch; the namespaces are removed on exit.
+The hosts share this machine's CPUs, so at 10 Gbit the CPU, not the link, is the limit.
+A benchmark: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from dsml.collectives.cost import CostModel  # noqa: E402
+from dsml.testing.netns import NetnsHosts, netns_hosts, unavailable_reason  # noqa: E402
+
+ALGORITHMS = "auto,ring,mesh,tree,naive,direct"
+SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+WORKER = str(HERE / "multihost_worker.py")
+PORT = 29517  # the namespaces are ours alone: any fixed port is free there
+
+
+def parse_size(text: str) -> int:
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(text[:-1]) * scale[text[-1]] if text[-1] in scale else int(text)
+
+
+def tagged(out: str, tag: str) -> list[dict[str, Any]]:
+    return [json.loads(line[len(tag) :]) for line in out.splitlines() if line.startswith(tag)]
+
+
+def run_ranks(hosts: NetnsHosts, argv: list[str], env_of: Any, timeout_s: float) -> str:
+    """Run argv on every host (env_of(rank) added); returns rank 0's standard output."""
+    procs = []
+    for rank, host in enumerate(hosts):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **env_of(rank)}
+        procs.append(
+            host.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout_s)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{argv[1:3]} failed ({proc.returncode}):\n{err[-3000:]}")
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outputs[0]
+
+
+def dsml_group(hosts: NetnsHosts, argv: list[str]) -> str:
+    """Run argv as one dsml group, a rank per host (registry on host 0); rank 0's output."""
+    address = f"tcp://{hosts[0].address}:{PORT}"
+    registry = hosts[0].popen(
+        [sys.executable, "-m", "dsml", "registry", "--address", address],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert registry.stdout is not None
+        line = registry.stdout.readline()  # "dsml registry serving on ..."
+        if "serving" not in line:
+            raise RuntimeError(f"the registry did not start: {line!r}")
+        return run_ranks(
+            hosts,
+            argv,
+            lambda r: {
+                "DSML_REGISTRY": address,
+                "DSML_WORLD_SIZE": str(len(hosts)),
+                "DSML_RANK": str(r),
+                "DSML_BIND": f"tcp://{hosts[r].address}:0",
+            },
+            timeout_s=1800,
+        )
+    finally:
+        registry.terminate()
+        registry.wait(timeout=10)
+
+
+def dsml_run(
+    hosts: NetnsHosts, sizes: list[int], algorithms: str, budget: float, chunk_bytes: int = 0
+) -> str:
+    """Every algorithm at every size in one group of len(hosts) ranks."""
+    argv = [sys.executable, WORKER, "dsml", "--sizes", ",".join(map(str, sizes))]
+    argv += ["--algorithms", algorithms, "--budget", str(budget)]
+    argv += ["--chunk-bytes", str(chunk_bytes)] if chunk_bytes else []
+    return dsml_group(hosts, argv)
+
+
+def gloo_run(hosts: NetnsHosts, sizes: list[int], budget: float) -> str:
+    argv = [sys.executable, WORKER, "gloo", "--sizes", ",".join(map(str, sizes))]
+    argv += ["--master", f"{hosts[0].address}:{PORT + 1}", "--budget", str(budget)]
+    return run_ranks(
+        hosts,
+        argv,
+        lambda r: {"RANK": str(r), "WORLD_SIZE": str(len(hosts)), "GLOO_SOCKET_IFNAME": "eth0"},
+        timeout_s=1800,
+    )
+
+
+def summarize(rate: str, rows: list[dict[str, Any]], models: list[dict[str, Any]]) -> None:
+    """Print one table for one rate from the rows of every repeat."""
+    runs: dict[tuple[int, str], list[float]] = defaultdict(list)
+    chosen: dict[int, set[str]] = defaultdict(set)
+    for r in rows:
+        runs[(r["bytes"], r["algorithm"])].append(r["median_s"])
+        if r["algorithm"] == "auto":
+            chosen[r["bytes"]].add(f"{r['chosen']}/{r['chunk_bytes'] >> 10}K")
+    names = [n for n in [*ALGORITHMS.split(","), "gloo"] if any(k[1] == n for k in runs)]
+    world = rows[0]["world_size"] if rows else 0
+    print(f"\n## {rate}, {world} hosts: median ms over repeats (spread = (max-min)/median)")
+    for m in models[:1]:
+        print(f"# measured model: {CostModel.from_fields(m).describe()}")
+    print(
+        f"# {'bytes':>9} "
+        + " ".join(f"{n:>14}" for n in names)
+        + f" {'auto busbw':>10} {'auto/best':>9} {'gloo/auto':>9}  auto chose"
+    )
+    for nbytes in sorted({k[0] for k in runs}):
+        med = {n: statistics.median(runs[(nbytes, n)]) for n in names if runs[(nbytes, n)]}
+        cells = []
+        for n in names:
+            ts = runs.get((nbytes, n))
+            if not ts:
+                cells.append(f"{'-':>14}")
+                continue
+            spread = (max(ts) - min(ts)) / med[n] * 100
+            cells.append(f"{med[n] * 1e3:>8.2f} ±{spread:>3.0f}%")
+        dsml_best = min(med[n] for n in med if n not in ("auto", "gloo"))
+        auto = med.get("auto", float("nan"))
+        busbw = nbytes / auto / 1e9 * 2 * (world - 1) / world
+        gloo = med.get("gloo", float("nan"))
+        print(
+            f"  {nbytes:>9} "
+            + " ".join(cells)
+            + f" {busbw:>10.4f} {auto / dsml_best:>9.2f} {gloo / auto:>9.2f}  "
+            + ",".join(sorted(chosen[nbytes]))
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--rates", default="1gbit,10gbit")
+    parser.add_argument("--sizes", default=SIZES)
+    parser.add_argument("--algorithms", default=ALGORITHMS)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=1.5, help="seconds per measurement")
+    parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--json", help="write every row here")
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(f"multihost: {reason}")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    everything: dict[str, Any] = {}
+    with netns_hosts(args.hosts, rate=args.rates.split(",")[0]) as hosts:
+        for rate in args.rates.split(","):
+            hosts.set_rate(rate)
+            rows: list[dict[str, Any]] = []
+            models: list[dict[str, Any]] = []
+            for rep in range(args.repeat):  # interleaved: a noisy minute hurts both sides
+                start = time.perf_counter()
+                out = dsml_run(hosts, sizes, args.algorithms, args.budget)
+                rows += [{**r, "repeat": rep} for r in tagged(out, "MULTIHOST_ROW ")]
+                models += tagged(out, "MULTIHOST_MODEL ")
+                if not args.no_gloo:
+                    out = gloo_run(hosts, sizes, args.budget)
+                    rows += [{**r, "repeat": rep} for r in tagged(out, "MULTIHOST_ROW ")]
+                print(
+                    f"# {rate} repeat {rep + 1}/{args.repeat}: {time.perf_counter() - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            everything[rate] = {"rows": rows, "models": models}
+            summarize(rate, rows, models)
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""A latency-bandwidth cost model of all-reduce, fitted to one group (collectives layer).
+
+Pure arithmetic: no I/O. `cost_probe.py` measures a group and builds the model; the
+communicator asks it which algorithm and chunk size `auto` stands for at a given size.
+
+The model has six numbers, in the style of Thakur, Rabenseifner and Gropp (2005):
+
+- `alpha_s`: one-way latency of a small message (half a ping-pong's round trip);
+- `beta_s`: seconds per byte when every rank sends to its ring neighbour at once (the
+  sustained rate, or what a real ring got if that was slower);
+- `beta_all_s`: seconds per byte a rank sends when every rank sends to all the others at
+  once (several flows share each link: on shaped TCP links this costs more than beta;
+  where the CPU is the limit, fewer hops can make it cost less);
+- `overhead_s`: CPU time one rank spends per extra message (back-to-back sends);
+- `gamma_s`: seconds per byte to reduce one array into another on this machine;
+- `ranks_per_host`: the most ranks that share one host (and so one network card).
+
+With P ranks, n bytes, s = n/P, chunk c and k = ceil(b/c) chunks of a b-byte stream: a
+pipelined stage of b bytes takes `stage(b) = max(b*beta, a + c*(beta + gamma))`: the
+link stays busy as long as the next stage's first chunk (sent, received, reduced) is in
+before the current stage's last one leaves; with one chunk per stage, stages store and
+forward. Then
+
+    ring    (P-1) * (stage(s) + stage(s) without gamma) + 2(P-1) k o         # 2(P-1) hops
+    mesh    2(P-1) s beta' + a + c (beta' + gamma) + 2(P-1) k o              # 2 hops
+    naive   2 (a + (P-1) n beta') + c gamma + 2(P-1) k o                     # rank 0 does all
+    tree    lg P (a + n beta + c gamma + k o)  [+ 2 (a + n beta + k o) if P is no power of 2]
+    direct  a + (P-1) n (beta' + gamma) + (P-1) k o                          # everyone to all
+
+where beta' is beta_all times `ranks_per_host` when the group spans several hosts (every
+rank of a host sends across at once in those algorithms, while the ring crosses each host
+boundary once). With gamma and o zero and one chunk, the ring's line is Thakur's
+2(P-1)a + 2(P-1)/P n beta. A host's ranks share its CPUs as well, which a measurement
+between two of them cannot see; so a group on a single host keeps the size table measured
+there (`select.py`), and the model decides only across hosts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import ProtocolError
+from .select import choose_all_reduce
+
+__all__ = ["CHUNK_CHOICES", "Choice", "CostModel", "fit_link"]
+
+#: Chunk sizes `auto` considers (powers of two; the config's own chunk size is added).
+CHUNK_CHOICES = tuple(1 << e for e in range(16, 25))  # 64 KiB .. 16 MiB
+#: Algorithms the model predicts (those with a formula above).
+MODELLED = ("ring", "mesh", "naive", "tree", "direct")
+
+
+def fit_link(
+    small_bytes: int, small_rtt_s: float, large_bytes: int, large_rtt_s: float
+) -> tuple[float, float]:
+    """(alpha, beta) of a link from ping-pong round trips at two message sizes.
+
+    One way, a message of b bytes takes alpha + b*beta, so a round trip twice that. Both
+    results are clamped at a tiny positive value: a noisy sample must not give a link
+    that is free.
+    """
+    assert large_bytes > small_bytes >= 0
+    beta = (large_rtt_s - small_rtt_s) / 2 / (large_bytes - small_bytes)
+    alpha = small_rtt_s / 2 - small_bytes * beta
+    return max(alpha, 1e-7), max(beta, 1e-12)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What `auto` runs for one size: algorithm, chunk size, predicted seconds."""
+
+    algorithm: str
+    chunk_bytes: int
+    predicted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """See the module docstring. Every rank holds an identical copy (rank 0's fit)."""
+
+    world_size: int
+    hosts: int  # distinct hosts in the group
+    ranks_per_host: int
+    alpha_s: float
+    beta_s: float
+    beta_all_s: float
+    overhead_s: float
+    gamma_s: float
+    default_chunk_bytes: int = 4 << 20
+    max_chunk_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        assert self.world_size >= 1
+        assert 1 <= self.hosts <= self.world_size
+        assert 1 <= self.ranks_per_host <= self.world_size
+        for name in ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s"):
+            value = getattr(self, name)
+            assert math.isfinite(value), f"{name}={value!r}"
+            assert value >= 0, f"{name}={value!r}"
+
+    # -- predictions --------------------------------------------------------------------------
+
+    def predict(self, algorithm: str, nbytes: int, chunk_bytes: int) -> float:
+        """Predicted seconds of one all_reduce of nbytes with this algorithm and chunk."""
+        p, n = self.world_size, float(nbytes)
+        if p == 1:
+            return 0.0
+        a, o, beta, gamma = self.alpha_s, self.overhead_s, self.beta_s, self.gamma_s
+        spread = self.beta_all_s * (self.ranks_per_host if self.hosts > 1 else 1)
+        s = n / p
+
+        def chunks(b: float) -> tuple[int, float]:  # (chunks of a b-byte stream, their size)
+            k = max(1, math.ceil(b / chunk_bytes))
+            return k, b / k
+
+        def stage(b: float, c: float, g: float) -> float:
+            return max(b * beta, a + c * (beta + g))
+
+        if algorithm == "ring":
+            k, c = chunks(s)
+            return (p - 1) * (stage(s, c, gamma) + stage(s, c, 0.0) + 2 * k * o)
+        if algorithm == "mesh":
+            k, c = chunks(s)
+            return 2 * (p - 1) * (s * spread + k * o) + a + c * (spread + gamma)
+        if algorithm == "naive":
+            k, c = chunks(n)
+            return 2 * (a + (p - 1) * (n * spread + k * o)) + c * gamma
+        if algorithm == "tree":
+            k, c = chunks(n)
+            t = (p.bit_length() - 1) * (a + n * beta + c * gamma + k * o)
+            if p & (p - 1):
+                t += 2 * (a + n * beta + k * o)
+            return t
+        if algorithm == "direct":
+            k, c = chunks(n)
+            return a + (p - 1) * (n * (spread + gamma) + k * o)
+        raise ValueError(f"no cost formula for all_reduce algorithm {algorithm!r}")
+
+    def chunk_choices(self) -> list[int]:
+        """Chunk sizes considered, smallest first (each within the frame limit)."""
+        sizes = {c for c in CHUNK_CHOICES if c <= self.max_chunk_bytes}
+        sizes.add(self.default_chunk_bytes)
+        return sorted(sizes)
+
+    def choose(self, nbytes: int, algorithms: tuple[str, ...] = MODELLED) -> Choice:
+        """The algorithm and chunk size with the lowest predicted time at this size.
+
+        Ties go to the earlier algorithm in `algorithms` and the larger chunk (fewer
+        messages). A group on one host keeps the measured size table (module docstring).
+        """
+        if self.hosts == 1:
+            algo = choose_all_reduce(nbytes, self.world_size)
+            chunk = self.default_chunk_bytes
+            return Choice(algo, chunk, self.predict(algo, nbytes, chunk))
+        best: Choice | None = None
+        for algo in algorithms:
+            for chunk in reversed(self.chunk_choices()):
+                t = self.predict(algo, nbytes, chunk)
+                if best is None or t < best.predicted_s:
+                    best = Choice(algo, chunk, t)
+        assert best is not None, "no algorithm to choose from"
+        return best
+
+    # -- transport and display ------------------------------------------------------------------
+
+    def to_fields(self) -> dict[str, Any]:
+        """A msgpack-able dict (what rank 0 sends to the others)."""
+        return asdict(self)
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> CostModel:
+        """The model back from `to_fields` (a peer's message: every value is checked)."""
+        ints = ("world_size", "hosts", "ranks_per_host", "default_chunk_bytes", "max_chunk_bytes")
+        floats = ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s")
+        if not isinstance(fields, dict) or set(fields) != set(ints + floats):
+            raise ProtocolError(f"not a cost model: {fields!r:.200}")
+        for name in ints:
+            if type(fields[name]) is not int or fields[name] < 1:
+                raise ProtocolError(f"cost model: bad {name} {fields[name]!r:.50}")
+        for name in floats:
+            value = fields[name]
+            if type(value) is not float or not math.isfinite(value) or value < 0:
+                raise ProtocolError(f"cost model: bad {name} {value!r:.50}")
+        if not fields["hosts"] <= fields["world_size"] >= fields["ranks_per_host"]:
+            raise ProtocolError(f"cost model: inconsistent sizes {fields!r:.200}")
+        return cls(**fields)
+
+    def describe(self) -> str:
+        """One line with the fitted numbers in readable units."""
+        return (
+            f"{self.world_size} ranks on {self.hosts} host(s): "
+            f"latency {self.alpha_s * 1e6:.0f} us, "
+            f"{_rate(self.beta_s)} per link ({_rate(self.beta_all_s)} sending to all), "
+            f"{self.overhead_s * 1e6:.1f} us per message, "
+            f"reduce {_rate(self.gamma_s)}"
+        )
+
+    def __repr__(self) -> str:
+        return f"<CostModel {self.describe()}>"
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f"{1e-9 / seconds_per_byte:.3g} GB/s" if seconds_per_byte > 0 else "free"

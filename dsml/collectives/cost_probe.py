@@ -1,0 +1,339 @@
+"""Measuring a group's links and agreeing on one cost model (collectives layer).
+
+Run by every rank of a new view, like a collective, before any `auto` call of that view.
+Each rank measures the link to its right ring neighbour; rank 0 gathers the samples, fits
+a `CostModel` (cost.py) and sends it to everyone, so every rank holds the same numbers
+and `auto` picks the same algorithm everywhere (choices computed apart from local
+samples could differ, and a mismatch would fail the call).
+
+Per link (rank r to r+1), in two phases so that a rank is not pinging and answering a
+ping at the same moment (odd P: rank 0 does both in phase 0; samples stay usable):
+
+1. ping-pong of a small message, `_ROUNDS` times after one warm-up: latency;
+2. `_BURST` small messages back to back, answered once: time per extra message;
+
+then, with every link busy at once as in a ring step (this is what the ring sees, CPU
+contention included): every rank sends two messages of `_RATE_BYTES` to the right, and
+the gap between the arrivals of the left neighbour's two is the sustained seconds per
+byte (`_ROUNDS` times after a warm-up); the CPU time per extra message when `_CPU_BYTES`
+go in `_PIECES` messages rather than one. Then the ring and the mesh race on a
+`_RACE_BYTES` all-reduce: the ring's time bounds the per-byte time from below (if the ring
+got less than the link's rate, that is what the ring will get), and the mesh's time next
+to the ring's says what flows to every peer at once cost per byte (mesh, naive, direct).
+The raced algorithms' messages follow the probe's own on every link, in order, so they
+cannot be confused with them.
+Rank 0 also times a local reduction (numpy add) for the per-byte reduce cost.
+
+Cost: about 2(2 + _ROUNDS + _BURST) small messages per link, and (_ROUNDS + 1) times
+2 x _RATE_BYTES + 2 x _CPU_BYTES + 3 x _RACE_BYTES sent per rank: about 150 ms at 1 Gbit,
+a few ms on a fast network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+from .all_reduce_mesh import all_reduce_mesh
+from .all_reduce_ring import all_reduce_ring
+from .arrays import NUMPY
+from .cost import CostModel
+from .group import Group, Lane, Receipt, Received, wait_receipts
+from .ops import ReduceOp
+
+__all__ = ["PROBE_FRAME_BYTES", "LinkSample", "WithChunk", "measure_cost", "model_from_samples"]
+
+_SMALL_BYTES = 64
+_RATE_BYTES = 1 << 20  # larger than a shaper's bucket (tbf: 4 ms of traffic at 1 Gbit)
+_CPU_BYTES = 512 * 1024
+_RACE_BYTES = 1 << 20
+#: The largest message the probe sends (frames must be allowed to be this large).
+PROBE_FRAME_BYTES = max(_RATE_BYTES, _CPU_BYTES, _RACE_BYTES)
+_ROUNDS = 3
+_BURST = 16
+_PIECES = 8  # a shift in this many messages, for the CPU cost of a chunk
+_REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
+
+# Steps of the probe's messages (chunk numbers count messages within a step).
+_PING, _PONG = 0, 1  # + 2 * phase
+_SYNC, _SHIFT, _PIECE = 4, 5, 6
+_SAMPLE, _MODEL = 7, 8  # (the raced algorithms number their own steps from 0)
+
+
+class WithChunk:
+    """`group` as a `Group` whose pipeline chunk is `chunk_bytes` (the model's choice)."""
+
+    def __init__(self, group: Group, chunk_bytes: int) -> None:
+        self._group = group
+        self.chunk_bytes = chunk_bytes
+
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    @property
+    def size(self) -> int:
+        return self._group.size
+
+    async def send(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        payload: memoryview | None = None,
+        *,
+        meta: dict[str, Any] | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Receipt:
+        return await self._group.send(peer, step, chunk, payload, meta=meta, lane=lane)
+
+    async def recv(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        *,
+        nbytes: int | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Received:
+        return await self._group.recv(peer, step, chunk, nbytes=nbytes, lane=lane)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSample:
+    """What one rank measured on the link to its right neighbour (seconds)."""
+
+    small_rtt_s: float  # median round trip of a small message
+    burst_s: float  # _BURST small messages sent back to back, until the answer
+    shift_s: float  # median gap between two _RATE_BYTES arrivals, all ranks sending right
+    chunk_cpu_s: float  # median CPU time per extra message of a shift cut in _PIECES
+    ring_s: float  # median time of a _RACE_BYTES ring all-reduce
+    mesh_s: float  # median time of a _RACE_BYTES mesh all-reduce
+
+    def to_fields(self) -> dict[str, float]:
+        return {
+            "rtt": self.small_rtt_s,
+            "burst": self.burst_s,
+            "shift": self.shift_s,
+            "chunk_cpu": self.chunk_cpu_s,
+            "ring": self.ring_s,
+            "mesh": self.mesh_s,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> LinkSample:
+        """A peer's sample (checked: it arrives over the network)."""
+        keys = ("rtt", "burst", "shift", "chunk_cpu", "ring", "mesh")
+        if not isinstance(fields, dict) or set(fields) != set(keys):
+            raise ProtocolError(f"not a link sample: {fields!r:.200}")
+        values = [fields[k] for k in keys]
+        if not all(type(v) is float and 0 <= v < 1e4 for v in values):
+            raise ProtocolError(f"bad link sample: {fields!r:.200}")
+        return cls(*values)
+
+
+def model_from_samples(
+    samples: Sequence[LinkSample],
+    host_keys: Sequence[str],
+    gamma_s: float,
+    *,
+    default_chunk_bytes: int,
+    max_chunk_bytes: int,
+) -> CostModel:
+    """Fit the cost model to one sample per ring link (see cost.py for the parameters).
+
+    Latency and per-message time are the median over links (robust to one noisy link);
+    the per-byte time is the slowest link's, since a ring step waits for its slowest hop.
+    """
+    assert samples
+    assert len(host_keys) >= 1
+    alpha = statistics.median(s.small_rtt_s for s in samples) / 2
+    per_message = statistics.median(
+        max((s.burst_s - s.small_rtt_s) / (_BURST - 1), s.chunk_cpu_s) for s in samples
+    )
+    p = len(host_keys)
+    volume = 2 * (p - 1) / p * _RACE_BYTES  # bytes each rank sends in a ring or mesh
+    ring = max(s.ring_s for s in samples)  # a call lasts as long as its slowest rank
+    mesh = max(s.mesh_s for s in samples)
+    ring_bw = max(0.0, ring - 2 * (p - 1) * alpha)  # their bandwidth parts
+    mesh_bw = max(0.0, mesh - 2 * alpha)
+    # The sustained rate of a link, or what the ring really got if that is slower.
+    beta = max(max(s.shift_s / _RATE_BYTES for s in samples), ring_bw / volume if p > 1 else 0)
+    # Flows to every peer at once: as much dearer (or cheaper) per byte than the ring's
+    # one flow as the mesh was, within reason.
+    ratio = mesh_bw / ring_bw if ring_bw > 0 else 1.0
+    beta_all = beta * min(4.0, max(0.5, ratio))
+    counts: dict[str, int] = {}
+    for key in host_keys:
+        counts[key] = counts.get(key, 0) + 1
+    return CostModel(
+        world_size=len(host_keys),
+        hosts=len(counts),
+        ranks_per_host=max(counts.values()),
+        alpha_s=max(alpha, 1e-7),
+        beta_s=max(beta, 1e-12),
+        beta_all_s=max(beta_all, 1e-12),
+        overhead_s=per_message,
+        gamma_s=max(gamma_s, 1e-12),
+        default_chunk_bytes=default_chunk_bytes,
+        max_chunk_bytes=max_chunk_bytes,
+    )
+
+
+async def measure_cost(
+    group: Group, host_keys: Sequence[str], *, default_chunk_bytes: int, max_chunk_bytes: int
+) -> CostModel:
+    """Measure this group and return the model rank 0 fitted (identical on every rank).
+
+    `host_keys[r]` names the host of rank r (equal keys: the same machine).
+    """
+    size, rank = group.size, group.rank
+    assert len(host_keys) == size
+    fit = {"default_chunk_bytes": default_chunk_bytes, "max_chunk_bytes": max_chunk_bytes}
+    if size == 1:
+        return model_from_samples([LinkSample(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)], host_keys, 0.0, **fit)
+    sent: list[Receipt] = []
+    right, left = (rank + 1) % size, (rank - 1) % size
+    rtt = burst = 0.0
+    for phase in (0, 1):  # rank r pings in phase r % 2, so most ranks do one thing at a time
+        if rank % 2 == phase and left % 2 == phase:  # odd P: rank 0 does both in phase 0
+            (rtt, burst), _ = await asyncio.gather(
+                _ping(group, right, phase, sent), _pong(group, left, phase, sent)
+            )
+        elif rank % 2 == phase:
+            rtt, burst = await _ping(group, right, phase, sent)
+        elif left % 2 == phase:
+            await _pong(group, left, phase, sent)
+    shift, chunk_cpu = await _shift(group, right, left, sent)
+    ring, mesh = await _race(group, sent)
+    mine = LinkSample(rtt, burst, shift, chunk_cpu, ring, mesh)
+    if rank != 0:
+        sent.append(await group.send(0, _SAMPLE, meta=mine.to_fields()))
+        msg = await group.recv(0, _MODEL, nbytes=0)
+        await wait_receipts(sent)
+        return CostModel.from_fields(msg.meta or {})
+    samples = [mine]
+    for peer in range(1, size):
+        samples.append(LinkSample.from_fields((await group.recv(peer, _SAMPLE, nbytes=0)).meta))
+    model = model_from_samples(samples, host_keys, _reduce_time(), **fit)
+    for peer in range(1, size):
+        sent.append(await group.send(peer, _MODEL, meta=model.to_fields()))
+    await wait_receipts(sent)
+    return model
+
+
+async def _ping(group: Group, peer: int, phase: int, sent: list[Receipt]) -> tuple[float, float]:
+    """Small round trips, then a burst; returns (median round trip, burst time)."""
+    small = memoryview(bytes(_SMALL_BYTES))
+    ping, pong = _PING + 2 * phase, _PONG + 2 * phase
+    rtts = []
+    for i in range(_ROUNDS + 1):
+        start = time.perf_counter()
+        sent.append(await group.send(peer, ping, i, small))
+        await group.recv(peer, pong, i, nbytes=_SMALL_BYTES)
+        rtts.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for j in range(_BURST):
+        sent.append(await group.send(peer, ping, _ROUNDS + 1 + j, small))
+    await group.recv(peer, pong, _ROUNDS + 1, nbytes=_SMALL_BYTES)
+    burst = time.perf_counter() - start
+    return statistics.median(rtts[1:]), burst
+
+
+async def _pong(group: Group, peer: int, phase: int, sent: list[Receipt]) -> None:
+    """The other end of `_ping`: answer each round trip, and the burst once."""
+    ping, pong = _PING + 2 * phase, _PONG + 2 * phase
+    for i in range(_ROUNDS + 1):
+        msg = await group.recv(peer, ping, i, nbytes=_SMALL_BYTES)
+        sent.append(await group.send(peer, pong, i, msg.payload))
+    for j in range(_BURST):
+        msg = await group.recv(peer, ping, _ROUNDS + 1 + j, nbytes=_SMALL_BYTES)
+    sent.append(await group.send(peer, pong, _ROUNDS + 1, msg.payload))
+
+
+async def _shift(group: Group, right: int, left: int, sent: list[Receipt]) -> tuple[float, float]:
+    """Every rank sends to the right at once, as in a ring step. Returns (median time
+    between the arrivals of two back-to-back messages of _RATE_BYTES from the left, median
+    CPU time per extra message when _CPU_BYTES go in _PIECES messages instead of one).
+
+    The gap between two arrivals is the link's sustained rate: a shaper's token bucket
+    (or a switch buffer) can speed up the first message, not the second. Where the CPU,
+    not the link, is the limit, the gap flatters (the receiver handles a message while the
+    next one is already on its way), so half the time of both counts if it is longer. CPU time (this
+    process, ZeroMQ's I/O thread included) rather than wall time: on a loaded machine it
+    still says what a message costs, and it counts the large zero-copy messages chunking
+    makes, which cost more than the small ones of the burst.
+    """
+    rate = memoryview(bytearray(2 * _RATE_BYTES))
+    gaps, extra_cpu = [], []
+    for i in range(_ROUNDS + 1):
+        await _sync(group, right, left, 3 * i, sent)
+        start = time.perf_counter()
+        for j in range(2):
+            piece = rate[j * _RATE_BYTES : (j + 1) * _RATE_BYTES]
+            sent.append(await group.send(right, _SHIFT, 2 * i + j, piece))
+        await group.recv(left, _SHIFT, 2 * i, nbytes=_RATE_BYTES)
+        first = time.perf_counter()
+        await group.recv(left, _SHIFT, 2 * i + 1, nbytes=_RATE_BYTES)
+        end = time.perf_counter()
+        gaps.append(max(end - first, (end - start) / 2))
+        await wait_receipts(sent)  # buffers are reused: ZeroMQ must be done with them
+        cpu = []
+        for variant, parts in enumerate((1, _PIECES)):
+            await _sync(group, right, left, 3 * i + 1 + variant, sent)
+            start_cpu, size = time.process_time(), _CPU_BYTES // parts
+            for j in range(parts):
+                piece = rate[j * size : (j + 1) * size]
+                sent.append(await group.send(right, _PIECE, i * (1 + _PIECES) + variant + j, piece))
+            for j in range(parts):
+                await group.recv(left, _PIECE, i * (1 + _PIECES) + variant + j, nbytes=size)
+            await wait_receipts(sent)
+            cpu.append(time.process_time() - start_cpu)
+        extra_cpu.append(max(0.0, cpu[1] - cpu[0]) / (_PIECES - 1))
+    return statistics.median(gaps[1:]), statistics.median(extra_cpu[1:])
+
+
+async def _sync(group: Group, right: int, left: int, n: int, sent: list[Receipt]) -> None:
+    """A token around the ring, so that ranks start the next measurement about together."""
+    sent.append(await group.send(right, _SYNC, n))
+    await group.recv(left, _SYNC, n, nbytes=0)
+
+
+async def _race(group: Group, sent: list[Receipt]) -> tuple[float, float]:
+    """Time the ring and the mesh on one _RACE_BYTES all-reduce each, as the algorithms
+    really run (median of _ROUNDS after a warm-up): what flows to every peer at once cost
+    next to one flow to a neighbour, which no formula knows on a given network."""
+    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    src = np.ones(_RACE_BYTES // 4, dtype=np.float32)
+    work, dst = np.empty_like(src), np.empty_like(src)
+    whole = WithChunk(group, _RACE_BYTES)  # one chunk per segment, whatever the config
+    medians = []
+    for a, algorithm in enumerate((all_reduce_ring, all_reduce_mesh)):
+        times = []
+        for i in range(_ROUNDS + 1):
+            await _sync(group, right, left, 3 * (_ROUNDS + 1) + a * (_ROUNDS + 1) + i, sent)
+            start = time.perf_counter()
+            pending = await algorithm(whole, NUMPY, src, work, dst, ReduceOp.SUM)
+            times.append(time.perf_counter() - start)
+            await wait_receipts(pending)
+        medians.append(statistics.median(times[1:]))
+    return medians[0], medians[1]
+
+
+def _reduce_time() -> float:
+    """Seconds per byte of a float32 sum into an array (median of a few)."""
+    a = np.ones(_REDUCE_BYTES // 4, dtype=np.float32)
+    b = np.ones_like(a)
+    times = []
+    for _ in range(_ROUNDS):
+        start = time.perf_counter()
+        np.add(a, b, out=a)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / _REDUCE_BYTES
