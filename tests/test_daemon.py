@@ -275,22 +275,40 @@ def _block(comm, seconds):
     time.sleep(seconds)
 
 
+def _block_until_released(comm, started, released):
+    """Block the worker's event loop until the test writes `released` (at most 30 s)."""
+    started.write_text("blocking")
+    deadline = time.monotonic() + 30
+    while not released.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 async def test_a_job_the_client_gave_up_on_never_runs_later(tmp_path, monkeypatch):
     from dsml.daemon import client as client_module
 
     monkeypatch.setattr(client_module, "_CANCEL_WAIT_S", 0.3)
+    started, released = tmp_path / "started", tmp_path / "released"
     async with dsml.LocalCluster(1) as cluster:
         client = cluster.client()
         client.connect_timeout = 1.0
-        started = time.monotonic()
-        with pytest.raises(dsml.JobTimeoutError):
-            await client.run(_block, 3.0, timeout=0.3)  # a plain function: not cancellable
+        # A plain function, not cancellable: it keeps the worker busy after the client gave
+        # up on it. Given up once it is known to run (a timeout could expire before the
+        # worker even started it, and then its cancel would arrive with it).
+        first = asyncio.create_task(client.run(_block_until_released, started, released))
+        await eventually(started.exists, "the blocking job started", within=30)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
         marker = tmp_path / "ran"
-        with pytest.raises(dsml.WorkerLostError, match="did not accept"):
-            await client.run(lambda comm: marker.write_text("ran"))
-        assert time.monotonic() - started < 3.0  # the blocking job was still running
+        try:
+            with pytest.raises(dsml.WorkerLostError, match="did not accept"):
+                await client.run(lambda comm: marker.write_text("ran"))
+        finally:
+            released.write_text("go")  # the blocking job ends only now
         await _idle(client, 1)
-        await asyncio.sleep(0.3)
+        # The worker handles its messages in order: had the refused job been queued, it
+        # would have run before this one.
+        assert await client.run(lambda comm: marker.exists()) == [False]
         assert not marker.exists()
 
 

@@ -16,8 +16,10 @@ from dsml import (
     ConfigError,
 )
 from dsml.testing import open_local_cluster
+from dsml.wire import Envelope, Kind
 
 from .reference import DTYPE_NAMES, dtype
+from .waiting import eventually
 
 PATIENT = CommConfig(timeout=30)
 SMALL_FRAMES = CommConfig(timeout=30, chunk_bytes=1 << 20, max_frame_bytes=1 << 20)
@@ -247,6 +249,31 @@ async def test_a_message_sent_before_the_sender_closed_is_still_received(recv_fi
         for src, outcome in zip(senders, outcomes, strict=True):
             assert isinstance(outcome, np.ndarray), f"from rank {src}: {outcome!r}"
             assert_same_array(outcome, xs[src])
+
+
+async def test_a_posted_recv_gets_the_message_when_the_registry_reports_the_leave_first():
+    # The sender's message and goodbye travel on its link, its leave through the registry:
+    # under load the registry's word came first and failed the posted recv. Held here
+    # until the registry's word is in, then delivered in the order they came.
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        table = cluster[0]._table
+        kinds = (Kind.PEER_MESSAGE, Kind.GOODBYE)
+        originals = {kind: table.inbound[kind] for kind in kinds}
+        held: list[tuple[Kind, int, Envelope, list[bytes]]] = []
+        for kind in kinds:
+            table.inbound[kind] = lambda rank, env, payload, kind=kind: held.append(
+                (kind, rank, env, [bytes(p) for p in payload])
+            )
+        pending = cluster[0].recv(1)
+        x = np.arange(8.0)
+        await cluster[1].send(x, 0)
+        await cluster[1].aclose()
+        await eventually(lambda: 1 in table.closed_after, "the registry said rank 1 left", 10)
+        table.inbound.update(originals)
+        assert [kind for kind, *_ in held] == [Kind.PEER_MESSAGE, Kind.GOODBYE]
+        for kind, rank, env, payload in held:
+            originals[kind](rank, env, [memoryview(p) for p in payload])
+        assert_same_array(await pending, x)
 
 
 @pytest.mark.parametrize("count", [3 << 18, (3 << 18) + 5], ids=["whole frames", "short tail"])

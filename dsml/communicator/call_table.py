@@ -56,6 +56,8 @@ class CallTable:
         self.next_cid = 1
         self.counters: Counter[str] = Counter()
         self.closed_after: dict[int, int] = {}  # peer rank -> its last collective id
+        #: peers whose goodbye came over their link: no message of theirs follows it
+        self.said_goodbye: set[int] = set()
         self.left_with_error: dict[int, str] = {}
         self.started: tuple[int, int, str] | None = None  # (epoch, cid, what): heartbeats
         self.finished: tuple[int, int, str] | None = None  # ... report these two
@@ -95,6 +97,7 @@ class CallTable:
         """
         self.next_cid = 1
         self.closed_after.clear()
+        self.said_goodbye.clear()
         self.left_with_error.clear()
         self._aborts.clear()
         self.counters["stale"] += self.mailbox.discard_where(
@@ -301,6 +304,7 @@ class CallTable:
         last = fields.get_int("last")
         error = fields.get_str("error", 2048, optional=True)
         failed = self.peer_closed(rank, last, error)
+        self.peer_messages_ended(rank)
         self.on_peer_left(rank, last, failed)
 
     def handle_peer_message(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
@@ -311,6 +315,8 @@ class CallTable:
     def peer_closed(self, rank: int, last: int, error: str | None = None) -> int:
         """Rank `rank` closed after collective `last`: fail this epoch's later calls.
 
+        Its point-to-point receives are left to `peer_messages_ended`: this may be the
+        registry's word, which can come before the messages rank sent on its link.
         Returns how many calls in flight failed.
         """
         self.closed_after.setdefault(rank, last)
@@ -320,10 +326,17 @@ class CallTable:
         for call in list(self.calls.values()):
             if call.cid > last and call.failure is None:
                 failed += call.fail(self._goodbye_error(call, rank, last))
+        return failed
+
+    def peer_messages_ended(self, rank: int) -> None:
+        """Nothing more comes from `rank` (its goodbye arrived, behind its messages):
+        receives from it fail once they have taken what it sent."""
+        if rank in self.said_goodbye:
+            return
+        self.said_goodbye.add(rank)
         for tag in {r.tag for r in self.receives if r.peer == rank}:
             # A marker behind the messages already queued: they are still delivered.
             self.mailbox.put(("p2p", self.epoch), (rank, tag), (PEER_LEFT, []))
-        return failed
 
     def __repr__(self) -> str:
         return (

@@ -123,7 +123,7 @@ class PointToPoint:
         """
         table = self._table
         group = ("p2p", table.epoch)
-        if src in table.closed_after and not table.mailbox.count(group, (src, tag)):
+        if src in table.said_goodbye and not table.mailbox.count(group, (src, tag)):
             raise table.peer_left_error(src, "recv from")
         env, frames = await table.mailbox.get(group, (src, tag), unless=call.failed)
         if env is PEER_LEFT:  # src closed after its last message

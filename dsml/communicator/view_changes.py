@@ -53,6 +53,7 @@ log = logging.getLogger("dsml.communicator")
 ViewListener = Callable[[View, View], Any]
 
 _LOCAL_VERDICT_S = 1.0  # a dropped peer the registry has not ruled on: lost after this
+_GOODBYE_WAIT_S = 5.0  # a peer the registry says left, whose goodbye never came: ended then
 
 
 @dataclass(slots=True)
@@ -258,6 +259,13 @@ class ViewChanges:
         self._broken.owed = self._broken.owed and not gave_up
         self._wake()
 
+    def _goodbye_overdue(self, rank: int, epoch: int) -> None:
+        """The registry said rank left, but its goodbye never came: end its receives."""
+        if self.links.epoch != epoch or rank in self.table.said_goodbye:
+            return  # it came, or that epoch's calls are over
+        log.warning("rank %d left without a goodbye reaching this rank", rank)
+        self.table.peer_messages_ended(rank)
+
     def _break(self, view: View, change: Change) -> None:
         installed = self.links.view
         assert installed is not None
@@ -270,6 +278,9 @@ class ViewChanges:
             if rank is not None:
                 broken.limit = min(broken.limit, last)
                 failed += self.table.peer_closed(rank, last)
+                # Its goodbye, behind its last messages on its link, ends its receives.
+                loop = asyncio.get_running_loop()
+                loop.call_later(_GOODBYE_WAIT_S, self._goodbye_overdue, rank, installed.epoch)
         gone = set(change.lost) | {m.id for m in installed.members if view.rank_of(m.id) is None}
         gone -= {m for m, _ in change.left}
         for member_id in gone:

@@ -349,7 +349,10 @@ class Client:
     async def _wait_accepted(self, job: _Job, rank: int) -> str | None:
         worker = job.workers[rank]
         try:
-            return await asyncio.wait_for(asyncio.shield(job.accepted[rank]), self.connect_timeout)
+            # Not asyncio.wait_for: on Python 3.11 it returns the result, dropping a cancel
+            # that arrives as the acceptance does, and a cancelled run would go on.
+            async with asyncio.timeout(self.connect_timeout):
+                return await asyncio.shield(job.accepted[rank])
         except TimeoutError:
             job.fail(
                 rank,

@@ -165,8 +165,11 @@ class WorkerDaemon:
         if job is not None and job.task is not None:
             job.cancelled = True
             job.task.cancel()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._idle.wait()), _CANCEL_WAIT_S)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that
+            # arrives as the job ends.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CANCEL_WAIT_S):
+                    await asyncio.shield(self._idle.wait())
         if self._closing_registries:
             await asyncio.wait(self._closing_registries, timeout=_LEAVE_WAIT_S + 1)
         if self._beacon is not None:

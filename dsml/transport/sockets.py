@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,8 @@ _BATCH = 256  # messages handled before the reader yields to other tasks
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _FULL_POLL_S = 0.001  # re-try interval of a send that found the queue full (rare)
+_monitor_ids = itertools.count()  # names of the monitors that watch endpoints close
+_CLOSE_WAIT_S = 5.0  # longest wait for ZeroMQ to destroy a closed endpoint (ms in practice)
 _DROP_LOG_INTERVAL_S = 10.0  # a flood of bad messages: one line per sender per interval
 
 
@@ -291,14 +294,52 @@ class Endpoint:
             self._reader.kick()
 
     async def aclose(self) -> None:
+        """Close; returns once the socket is gone and its address can be bound again.
+
+        zmq_close only hands the socket to ZeroMQ's I/O thread, which closes the listening
+        descriptor a moment later (later still on a loaded machine): a caller that rebinds
+        the port, or a test that checks it is free, must not race that.
+        """
         await self._reader.aclose()
-        self._sock.close(0)
+        try:
+            monitor = _watch_destruction(self._sock)
+        finally:
+            self._sock.close(0)
+        try:
+            # The socket's monitor stops when ZeroMQ destroys the socket, after its listener.
+            await asyncio.to_thread(_wait_monitor_stopped, monitor)
+        finally:
+            monitor.close(0)
 
     def __repr__(self) -> str:
         return (
             f"<Endpoint {self.address} received={self.received} dropped={self.dropped}"
             f"{' CURVE' if self._curve else ''}{' closed' if self._sock.closed else ''}>"
         )
+
+
+def _watch_destruction(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+    """A socket that hears when ZeroMQ destroys `sock` (after its listeners closed)."""
+    # Not get_monitor_socket: its inproc name is made of the socket's descriptor, reused
+    # by a socket opened while one closed before is still being torn down (EADDRINUSE).
+    address = f"inproc://dsml-closing-{next(_monitor_ids)}"
+    sock.monitor(address, zmq.EVENT_MONITOR_STOPPED)
+    monitor: zmq.Socket[bytes] = sock.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.LINGER, 0)
+    monitor.connect(address)
+    return monitor
+
+
+def _wait_monitor_stopped(monitor: zmq.Socket[bytes]) -> None:
+    """Block until `monitor` reports that its socket was destroyed (or _CLOSE_WAIT_S)."""
+    monitor.setsockopt(zmq.RCVTIMEO, int(_CLOSE_WAIT_S * 1000))
+    try:
+        while True:
+            event = monitor.recv_multipart()[0]
+            if int.from_bytes(event[:2], "little") == zmq.EVENT_MONITOR_STOPPED:
+                return
+    except zmq.Again:  # never seen; a close must not hang on it either
+        log.warning("a closed socket was not destroyed within %g s", _CLOSE_WAIT_S)
 
 
 class Channel:
