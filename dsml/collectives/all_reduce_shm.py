@@ -8,17 +8,17 @@ Two schedules, chosen by size (the same on every rank):
   P x n reads per rank; the same inputs in the same order give every rank the same bits.
 * large: slices, as in a reduce-scatter + all-gather. Rank r owns slice r. For each piece
   (the staging area bounds how much of the input is in shared memory at once): every rank
-  copies its input's slices j != r of this piece into its staging area (P-1 slots in one
-  of two halves at the end of its data area, alternating by piece); sync; rank r reduces
-  slice r's piece from its own input and the peers' staging areas, in rank order,
-  straight into its results (the start of its data area; cache-sized blocks, so partial
-  sums stay in cache). A last sync once every piece is reduced; then every rank copies
-  the finished slices from the owners' results into `dst`. Per rank: copies in
-  (P-1)/P n, reads n and writes n/P to reduce, copies out n; one sync per piece, plus
-  one. When every local rank has a core of its own, pieces are small (512 KiB staged
-  per rank) so that the owner reduces a piece while it is still in cache; with more
-  ranks than cores each sync costs a trip through the scheduler, so pieces are as large
-  as the staging allows. The results of all pieces stay in shared
+  copies its input's slices j != r of this piece into its staging area (P-1 slots at
+  the end of its data area); sync; rank r reduces slice r's piece from its own input and
+  the peers' staging areas, in rank order, straight into its results (the start of its
+  data area; cache-sized blocks, so partial sums stay in cache); sync. After the last
+  piece every rank copies the finished slices from the owners' results into `dst`. Per
+  rank: copies in (P-1)/P n, reads n and writes n/P to reduce, copies out n. With more
+  ranks than cores (each sync a trip through the scheduler), pieces fill the staging
+  area and take two syncs each. When every local rank has a core of its own, pieces are
+  small (512 KiB staged per rank), so the owner reduces a piece while it is still in
+  cache, and alternate between two halves of the staging area, so one sync per piece
+  suffices (plus a last one). The results of all pieces stay in shared
   memory until the end, so `dst` (often the caller's input) is written only once every
   rank has finished: a failure leaves it untouched.
 
@@ -96,21 +96,24 @@ async def reduce_slices(
     """Reduce span r of everyone's src into rank r's results area (see the module doc);
     False when some rank had no room. The results stay there until the next call.
 
-    The staging area has two halves, used by alternate pieces, so one sync per piece
-    suffices: a rank stages piece p+1 after reducing piece p, so once every rank has
-    posted piece p+1's sync none still reads piece p-1's half, which piece p+2 reuses.
-    A last sync ends the call once every slice is final."""
+    When every rank has a core of its own, pieces are small and the staging area has two
+    halves, used by alternate pieces, so one sync per piece suffices: a rank stages piece
+    p+1 after reducing piece p, so once every rank has posted piece p+1's sync none still
+    reads piece p-1's half, which piece p+2 reuses; a last sync ends the call once every
+    slice is final. Otherwise pieces fill the staging area, with a sync after each
+    piece's reduction."""
     size, rank, dtype, itemsize = group.size, group.rank, src.dtype, src.dtype.itemsize
     longest = max(hi - lo for lo, hi in spans)
-    # elements per slice and piece: each half of the staging holds P-1 slots of this many
-    per_piece = stage_bytes // 2
-    if size <= (os.cpu_count() or 1):
-        per_piece = min(per_piece, CACHED_PIECE_BYTES)
+    # every rank has a core of its own: small pieces in two alternating halves
+    cached = size <= (os.cpu_count() or 1)
+    per_piece = min(stage_bytes, CACHED_PIECE_BYTES) if cached else stage_bytes
+    # elements per slice and piece: a half of the staging holds P-1 slots of this many
     slot = max(1, min(longest, per_piece // (max(1, size - 1) * itemsize)))
     pieces = max(1, -(-longest // slot))
     lo_r, hi_r = spans[rank]
     half = (size - 1) * slot  # elements: a slot per other rank's slice
-    stage_bytes = (2 if pieces > 1 else 1) * half * itemsize
+    halves = 2 if cached and pieces > 1 else 1
+    stage_bytes = halves * half * itemsize
     room = group.reserve((hi_r - lo_r) * itemsize, stage_bytes)
     for p in range(pieces):
         # Phase 1: stage this piece of every slice but our own, in this piece's half.
@@ -119,7 +122,7 @@ async def reduce_slices(
             for j, (lo, hi) in enumerate(spans):
                 a, b = min(lo + p * slot, hi), min(lo + (p + 1) * slot, hi)
                 if j != rank and b > a:
-                    at = (p % 2) * half + _slot(j, rank) * slot
+                    at = (p % halves) * half + _slot(j, rank) * slot
                     stage[at : at + b - a] = src[a:b]
         if not await group.sync(room) and p == 0:
             return False  # some rank has no room: nothing was written yet
@@ -130,7 +133,7 @@ async def reduce_slices(
                 src[a:b]
                 if j == rank
                 else staging(group.area(j), stage_bytes).view(dtype)[
-                    (p % 2) * half + _slot(rank, j) * slot :
+                    (p % halves) * half + _slot(rank, j) * slot :
                 ][: b - a]
                 for j in range(size)
             ]
@@ -138,7 +141,10 @@ async def reduce_slices(
             reduce_into(out, inputs, op, 0, b - a)
             if op is ReduceOp.AVG:
                 np.divide(out, size, out=out, casting="unsafe")
-    await group.sync()
+        if halves == 1:
+            await group.sync()  # nobody reads this piece's staging any more
+    if halves == 2:
+        await group.sync()  # every slice is final
     return True
 
 
