@@ -13,12 +13,8 @@ Two schedules, chosen by size (the same on every rank):
   the peers' staging areas, in rank order, straight into its results (the start of its
   data area; cache-sized blocks, so partial sums stay in cache); sync. After the last
   piece every rank copies the finished slices from the owners' results into `dst`. Per
-  rank: copies in (P-1)/P n, reads n and writes n/P to reduce, copies out n. With more
-  ranks than cores (each sync a trip through the scheduler), pieces fill the staging
-  area and take two syncs each. When every local rank has a core of its own, pieces are
-  small (512 KiB staged per rank), so the owner reduces a piece while it is still in
-  cache, and alternate between two halves of the staging area, so one sync per piece
-  suffices (plus a last one). The results of all pieces stay in shared
+  rank: copies in (P-1)/P n, reads n and writes n/P to reduce, copies out n; two syncs
+  per piece. The results of all pieces stay in shared
   memory until the end, so `dst` (often the caller's input) is written only once every
   rank has finished: a failure leaves it untouched.
 
@@ -29,7 +25,6 @@ Returns False, having written nothing, when some rank had no room in /dev/shm.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -52,10 +47,6 @@ _UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
 BLOCK_BYTES = 256 << 10  # reduce in blocks that stay in L2 while the inputs stream past
 #: the small schedule reads every rank's whole input: worth a sync less up to this much
 SMALL_READ_BYTES = 4 << 20
-#: staged bytes per piece and rank when every local rank has a core of its own: the
-#: peers reduce a piece while it is still in cache. With more ranks than cores a sync
-#: costs a trip through the scheduler, so pieces are as large as the staging allows.
-CACHED_PIECE_BYTES = 512 << 10
 
 
 async def all_reduce_shm(
@@ -94,35 +85,23 @@ async def reduce_slices(
     group: ShmGroup, src: Array, spans: list[tuple[int, int]], op: ReduceOp, stage_bytes: int
 ) -> bool:
     """Reduce span r of everyone's src into rank r's results area (see the module doc);
-    False when some rank had no room. The results stay there until the next call.
-
-    When every rank has a core of its own, pieces are small and the staging area has two
-    halves, used by alternate pieces, so one sync per piece suffices: a rank stages piece
-    p+1 after reducing piece p, so once every rank has posted piece p+1's sync none still
-    reads piece p-1's half, which piece p+2 reuses; a last sync ends the call once every
-    slice is final. Otherwise pieces fill the staging area, with a sync after each
-    piece's reduction."""
+    False when some rank had no room. The results stay there until the next call."""
     size, rank, dtype, itemsize = group.size, group.rank, src.dtype, src.dtype.itemsize
     longest = max(hi - lo for lo, hi in spans)
-    # every rank has a core of its own: small pieces in two alternating halves
-    cached = size <= (os.cpu_count() or 1)
-    per_piece = min(stage_bytes, CACHED_PIECE_BYTES) if cached else stage_bytes
-    # elements per slice and piece: a half of the staging holds P-1 slots of this many
-    slot = max(1, min(longest, per_piece // (max(1, size - 1) * itemsize)))
+    # elements per slice and piece: the staging area holds P-1 slots of this many
+    slot = max(1, min(longest, stage_bytes // (max(1, size - 1) * itemsize)))
     pieces = max(1, -(-longest // slot))
     lo_r, hi_r = spans[rank]
-    half = (size - 1) * slot  # elements: a slot per other rank's slice
-    halves = 2 if cached and pieces > 1 else 1
-    stage_bytes = halves * half * itemsize
+    stage_bytes = (size - 1) * slot * itemsize  # a slot per other rank's slice
     room = group.reserve((hi_r - lo_r) * itemsize, stage_bytes)
     for p in range(pieces):
-        # Phase 1: stage this piece of every slice but our own, in this piece's half.
+        # Phase 1: stage this piece of every slice but our own.
         if room:
             stage = staging(group.area(rank), stage_bytes).view(dtype)
             for j, (lo, hi) in enumerate(spans):
                 a, b = min(lo + p * slot, hi), min(lo + (p + 1) * slot, hi)
                 if j != rank and b > a:
-                    at = (p % halves) * half + _slot(j, rank) * slot
+                    at = _slot(j, rank) * slot
                     stage[at : at + b - a] = src[a:b]
         if not await group.sync(room) and p == 0:
             return False  # some rank has no room: nothing was written yet
@@ -132,19 +111,16 @@ async def reduce_slices(
             inputs = [
                 src[a:b]
                 if j == rank
-                else staging(group.area(j), stage_bytes).view(dtype)[
-                    (p % halves) * half + _slot(rank, j) * slot :
-                ][: b - a]
+                else staging(group.area(j), stage_bytes).view(dtype)[_slot(rank, j) * slot :][
+                    : b - a
+                ]
                 for j in range(size)
             ]
             out = results(group, rank, dtype, hi_r - lo_r)[a - lo_r : b - lo_r]
             reduce_into(out, inputs, op, 0, b - a)
             if op is ReduceOp.AVG:
                 np.divide(out, size, out=out, casting="unsafe")
-        if halves == 1:
-            await group.sync()  # nobody reads this piece's staging any more
-    if halves == 2:
-        await group.sync()  # every slice is final
+        await group.sync()
     return True
 
 
