@@ -57,6 +57,12 @@ class CommConfig:
         curve: CURVE keys (`dsml.transport.Curve`) for every socket of the communicator:
             its peer links and its registry connection are encrypted and authenticated.
             Worker daemons started with `--curve-keys` set it for their jobs.
+        shm: members on the same host exchange data through shared memory (/dev/shm);
+            `DSML_SHM=0` turns it off (see docs/shm.md).
+        shm_stage_bytes: how much of one rank's input is in shared memory at once
+            (larger arrays go through in pieces).
+        shm_max_bytes: the most /dev/shm one rank's data segment may take; a collective
+            that needs more goes over TCP (one warning).
     """
 
     timeout: float = 120.0
@@ -72,8 +78,19 @@ class CommConfig:
     gpu_reduce: str = "host"
     engine_trace: bool = False
     curve: Any = None
+    shm: bool = True
+    shm_stage_bytes: int = 8 * _MiB
+    shm_max_bytes: int = 1024 * _MiB
 
     def __post_init__(self) -> None:
+        _require(
+            isinstance(self.shm_stage_bytes, int) and self.shm_stage_bytes >= 4096,
+            f"shm_stage_bytes must be an integer >= 4096, got {self.shm_stage_bytes!r}",
+        )
+        _require(
+            isinstance(self.shm_max_bytes, int) and self.shm_max_bytes >= 0,
+            f"shm_max_bytes must be a non-negative integer, got {self.shm_max_bytes!r}",
+        )
         for name in (
             "timeout",
             "join_timeout",

@@ -21,8 +21,9 @@ async def test_a_bug_while_handling_a_message_fails_pending_and_later_calls_on_e
             raise RuntimeError("injected bug in a handler")
 
         table.inbound[Kind.CHUNK] = buggy
-        outcomes = await asyncio.gather(
-            *(c.all_reduce(np.ones(4), timeout=30) for c in cluster), return_exceptions=True
+        outcomes = await asyncio.gather(  # the ring: its data travels as CHUNK messages
+            *(c.all_reduce(np.ones(4), algorithm="ring", timeout=30) for c in cluster),
+            return_exceptions=True,
         )
         # Rank 0 may have had all it needed from rank 1 already; rank 1 cannot finish.
         assert isinstance(outcomes[0], np.ndarray | CollectiveAbortedError), outcomes[0]

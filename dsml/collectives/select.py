@@ -18,7 +18,7 @@ from ..errors import ConfigError
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "check_algorithm", "choose_all_reduce"]
 
-ALL_REDUCE_ALGORITHMS = ("ring", "tree", "naive", "direct", "mesh")
+ALL_REDUCE_ALGORITHMS = ("ring", "tree", "naive", "direct", "mesh", "shm", "hierarchical")
 
 SMALL_BYTES = 16 * 1024  # up to here: recursive doubling
 MEDIUM_BYTES = 1 << 20  # up to here: naive, when P is small enough for rank 0 to keep up

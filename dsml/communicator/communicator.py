@@ -38,6 +38,7 @@ from .p2p import PointToPoint
 from .placement import Placement
 from .plans import Planner, Request
 from .runner import Runner
+from .shm_hook import ShmHook
 from .subgroups import Demux
 from .survival import Survival
 from .tasks import TaskOwner
@@ -82,7 +83,9 @@ class Communicator:
             default_chunk_bytes=config.chunk_bytes,
             max_chunk_bytes=config.max_frame_bytes,
         )
-        planner = Planner(config.chunk_bytes, self._placement, self._auto)
+        self._shm = ShmHook(config, self._table)  # same-host shared memory (shm_hook.py)
+        self._views.listeners.append(lambda _old, new: self._shm.set_view(new))
+        planner = Planner(config.chunk_bytes, self._placement, self._auto, self._shm)
         self._runner = Runner(self._table, self._views, planner, tasks, config, loop)
         self._p2p = PointToPoint(self._table, self._placement)
         self._views.listeners.append(lambda _old, _new: self._p2p.reset())
@@ -103,6 +106,7 @@ class Communicator:
         and sending heartbeats."""
         self._links.route(self._demux.routes)
         self._views.install_first(view)
+        self._shm.set_view(view)
         self._registry.attach(self._views)
         self._registry.start_heartbeats(self._progress)
         self._survival.start()
@@ -567,6 +571,7 @@ class Communicator:
         withheld = self._runner.withdraw_cancel_aborts()
         in_flight = min((cid for _epoch, cid in self._table.calls), default=None)
         await self._runner.cancel_all()
+        self._shm.close()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
         # The peers fail every call after `last` as a member leaving: the first call this
         # rank did not finish (cancelled by an interrupt, or still in flight) is the one.
@@ -595,6 +600,7 @@ class Communicator:
         await self._links.crash()
         await self._registry.aclose(linger_s=0.0)
         await self._runner.cancel_all()
+        self._shm.close()
         await self._engine_link.aclose(cancel=True)
         await self._tasks.cancel_all()
 

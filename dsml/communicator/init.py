@@ -23,6 +23,7 @@ from ..launch.join import running_world_size
 from ..membership import Member, RegistryClient
 from ..transport import Curve
 from ..transport.addresses import advertised
+from ..transport.shm_segment import host_identity
 from .communicator import Communicator
 from .links import PeerLinks
 from .tasks import TaskOwner
@@ -65,6 +66,9 @@ def _resolve(
     bind = bind or env.get("DSML_BIND", "").strip() or None
     ifname = env.get("DSML_IFNAME", "").strip() or None
     name = name if name is not None else env.get("DSML_NAME", "")
+    shm = env.get("DSML_SHM", "").strip().lower()
+    if shm in ("0", "false", "no", "off") and config.shm:
+        config = dataclasses.replace(config, shm=False)
     return _JoinArgs(plan, name, config, spec, bind, ifname)
 
 
@@ -96,7 +100,8 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
     tasks = TaskOwner()
     links = PeerLinks(member_id, config, tasks)  # constructing does no I/O ...
     address = advertised(links.bind(), toward=registry_address)  # ... binding does
-    member = Member(member_id, address, args.name, socket.gethostname(), os.getpid())
+    host_id = host_identity() if config.shm else ""  # empty: no shared memory with us
+    member = Member(member_id, address, args.name, socket.gethostname(), os.getpid(), host_id)
     registry = RegistryClient(registry_address, member, config)
     try:
         registry.open()

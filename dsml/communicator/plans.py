@@ -44,8 +44,11 @@ from .stats import timed
 
 if TYPE_CHECKING:
     from .placement import Placement
+    from .shm_hook import ShmHook
 
-__all__ = ["ROOTED", "Plan", "Planner", "Request", "loose_fingerprint"]
+__all__ = ["ROOTED", "SHM_ALGORITHMS", "Plan", "Planner", "Request", "loose_fingerprint"]
+
+SHM_ALGORITHMS = ("shm", "hierarchical")
 
 Array = Any
 
@@ -123,12 +126,17 @@ class Planner:
     """Plans calls for one communicator; owns its work-buffer pools."""
 
     def __init__(
-        self, chunk_bytes: int, placement: Placement, auto: AutoChooser | None = None
+        self,
+        chunk_bytes: int,
+        placement: Placement,
+        auto: AutoChooser | None = None,
+        shm: ShmHook | None = None,
     ) -> None:
         self._pools: dict[str, BufferPool] = {}
         self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
         self._placement = placement
         self._auto = auto  # what `auto` runs across hosts (None: the size table)
+        self._shm = shm  # the same-host shared-memory plane (shm_hook.py)
 
     def pool(self, be: ArrayBackend) -> BufferPool:
         if be.name not in self._pools:
@@ -209,10 +217,19 @@ class Planner:
     def _all_reduce(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x, writable=True)
         reduce_op = check_op(request.op, dtype)
-        algo = check_algorithm(request.algorithm)
+        asked = check_algorithm(request.algorithm)
+        # Shared memory when the whole group is on this host (the same answer on every
+        # rank: it depends on the view only); "shm" asked for elsewhere runs the ring.
+        shm = self._shm
+        in_shm = shm is not None and asked in ("auto", *SHM_ALGORITHMS) and shm.claim(be)
+        hier = asked == "hierarchical" and shm is not None and shm.claim_hierarchical(be)
         # Across hosts, auto runs what the view's measured cost model picks (agreed by all
         # ranks, chunk size included, so the fingerprint leaves the chunk open).
-        ticket = self._auto.ticket() if algo == "auto" and self._auto and size > 1 else None
+        algo, ticket = asked, None
+        if in_shm and asked == "auto":
+            algo = "shm"
+        elif algo == "auto" and self._auto and size > 1:
+            ticket = self._auto.ticket()
         if ticket is None:
             algo = self.choose_algorithm(algo, x.nbytes, size)
         fp = Fingerprint(
@@ -233,9 +250,22 @@ class Planner:
             if ticket is not None:
                 group, run = await ticket.resolve(call, x.nbytes)
             src, copy = self._flat_input(be, x)
+            if hier and shm is not None:
+                await shm.all_reduce_hierarchical(call, src, src, reduce_op)
+                done = True
+            else:  # False: no room in /dev/shm on some rank; the ring, over TCP
+                done = (
+                    in_shm and shm is not None and await shm.all_reduce(call, src, src, reduce_op)
+                )
+            if done:
+                if copy is not None:
+                    be.copy_out(copy, x)
+                self._release(be, copy)
+                return x
             work = self.pool(be).acquire(x.size, src.dtype)
             dst = src if copy is None else work  # x itself when contiguous: no final copy
-            pending = await ALL_REDUCE[run](group, be, src, work, dst, reduce_op)
+            tcp = "ring" if run in SHM_ALGORITHMS else run
+            pending = await ALL_REDUCE[tcp](group, be, src, work, dst, reduce_op)
             if dst is work:
                 be.copy_out(work, x)
             self.pool(be).release(work, pending)
@@ -280,17 +310,20 @@ class Planner:
             root=root,
             chunk_bytes=self._chunk,
         )
+        shm = self._shm if self._shm is not None and self._shm.claim(be) else None
 
         async def body(call: Call) -> Array:
             if call.size == 1:
                 return x
             if call.rank == root:
                 src, copy = self._flat_input(be, x)
-                await broadcast_tree(call, be, src, root)
+                if shm is None or not await shm.broadcast(call, src, root):
+                    await broadcast_tree(call, be, src, root)
                 self._release(be, copy)
                 return x
             buf = self.pool(be).acquire(x.size, x.dtype.newbyteorder("="))
-            await broadcast_tree(call, be, buf, root)
+            if shm is None or not await shm.broadcast(call, buf, root):
+                await broadcast_tree(call, be, buf, root)
             be.copy_out(buf, x)
             self._release(be, buf)
             return x
@@ -309,6 +342,7 @@ class Planner:
             op=reduce_op.value,
             chunk_bytes=self._chunk,
         )
+        shm = self._shm if self._shm is not None and self._shm.claim(be) else None
 
         async def body(call: Call) -> Array:
             rows, trailing = rows_x.shape[0], rows_x.shape[1:]
@@ -316,6 +350,12 @@ class Planner:
             row_spans = split_spans(rows, call.size)
             spans = [(lo * row_elems, hi * row_elems) for lo, hi in row_spans]
             src, copy = self._flat_input(be, rows_x)
+            if shm is not None and call.size > 1:
+                mine = await shm.reduce_scatter(call, src, spans, reduce_op)
+                if mine is not None:
+                    self._release(be, copy)
+                    lo, hi = row_spans[call.rank]
+                    return mine.reshape(hi - lo, *trailing)
             out = self.pool(be).acquire(rows_x.size, src.dtype)
             if call.size == 1:
                 be.copy(out, 0, len(out), src)
@@ -339,10 +379,16 @@ class Planner:
         x, be, dtype = self._array(x)
         rows_x = _rows_view(x)
         fp = Fingerprint("all_gather", dtype=dtype, shape=rows_x.shape[1:], chunk_bytes=self._chunk)
+        shm = self._shm if self._shm is not None and self._shm.claim(be) else None
 
         async def body(call: Call) -> Array:
             block, copy = self._flat_input(be, rows_x)
-            result = await all_gather_direct(call, be, block, rows_x.shape[0], rows_x.shape[1:])
+            rows, trailing = rows_x.shape[0], rows_x.shape[1:]
+            result = None
+            if shm is not None and call.size > 1:
+                result = await shm.all_gather(call, block, rows, trailing)
+            if result is None:
+                result = await all_gather_direct(call, be, block, rows, trailing)
             self._release(be, copy)
             return result
 
@@ -407,8 +453,12 @@ class Planner:
         return Plan(fp, body)
 
     def _barrier(self) -> Plan:
+        shm = self._shm if self._shm is not None and self._shm.claim(NUMPY) else None
+
         async def body(call: Call) -> None:
-            if call.size > 1:
+            if call.size > 1 and shm is not None:
+                await shm.barrier(call)
+            elif call.size > 1:
                 await barrier_dissemination(call)
 
         return Plan(Fingerprint("barrier"), body)

@@ -26,6 +26,9 @@ class Member:
     name: str = ""
     host: str = ""
     pid: int = 0
+    #: boot id and /dev/shm device (`dsml.transport.shm_segment.host_identity`): members
+    #: with equal `host` and `host_id` share memory; empty when shared memory is off
+    host_id: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -34,6 +37,7 @@ class Member:
             "name": self.name,
             "host": self.host,
             "pid": self.pid,
+            "host_id": self.host_id,
         }
 
     @classmethod
@@ -44,6 +48,7 @@ class Member:
             name=fields.get_str("name", 256),
             host=fields.get_str("host", 256),
             pid=fields.get_int("pid", 0, 1 << 31),
+            host_id=fields.get_str("host_id", 128, optional=True) or "",
         )
 
     def describe(self) -> str:

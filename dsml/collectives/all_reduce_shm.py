@@ -1,0 +1,149 @@
+"""All-reduce through shared memory between the ranks of one host (collectives layer).
+
+Two schedules, chosen by size (the same on every rank):
+
+* small (the whole array fits an inline area, and P x n <= 4 MiB): every rank writes
+  its input into its inline area, one sync, and every rank reduces the whole array
+  itself, reading the peers' inline areas in rank order, straight into `dst`. One sync,
+  P x n reads per rank; the same inputs in the same order give every rank the same bits.
+* large: slices, as in a reduce-scatter + all-gather. Rank r owns slice r. For each piece
+  (the staging area bounds how much of the input is in shared memory at once): every rank
+  copies its input's slices j != r of this piece into its staging area (P-1 slots at
+  the end of its data area); sync; rank r reduces slice r's piece from its own input and
+  the peers' staging areas, in rank order, straight into its results (the start of its
+  data area; cache-sized blocks, so partial sums stay in cache); sync. After the last
+  piece every rank copies the finished slices from the owners' results into `dst`. Per
+  rank: copies in (P-1)/P n, reads n and writes n/P to reduce, copies out n; two syncs
+  per piece. The results of all pieces stay in shared
+  memory until the end, so `dst` (often the caller's input) is written only once every
+  rank has finished: a failure leaves it untouched.
+
+Preconditions: `src` and `dst` flat numpy arrays of one dtype and length (`dst` may be
+`src`); every rank passes the same length, dtype and op (checked by the first sync).
+Returns False, having written nothing, when some rank had no room in /dev/shm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .arrays import Array
+from .chunking import split_spans
+from .ops import ReduceOp
+from .shm_group import ShmGroup, staging
+
+__all__ = ["all_reduce_shm", "reduce_into", "reduce_slices", "results"]
+
+_UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+BLOCK_BYTES = 256 << 10  # reduce in blocks that stay in L2 while the inputs stream past
+#: the small schedule reads every rank's whole input: worth a sync less up to this much
+SMALL_READ_BYTES = 4 << 20
+
+
+async def all_reduce_shm(
+    group: ShmGroup, src: Array, dst: Array, op: ReduceOp, stage_bytes: int
+) -> bool:
+    """dst = reduction over the host's ranks of src; False if it could not run here."""
+    if src.nbytes <= group.inline_bytes and src.nbytes * group.size <= SMALL_READ_BYTES:
+        return await _small(group, src, dst, op)
+    return await _large(group, src, dst, op, stage_bytes)
+
+
+async def _small(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
+    n, dtype = len(src), src.dtype
+    group.inline(group.rank)[: src.nbytes] = src.view(np.uint8)
+    await group.sync()
+    # Our own input is read back from the inline area too: dst may be src.
+    inputs = [group.inline(j)[: src.nbytes].view(dtype) for j in range(group.size)]
+    reduce_into(dst, inputs, op, 0, n)
+    if op is ReduceOp.AVG:
+        np.divide(dst, group.size, out=dst, casting="unsafe")
+    return True
+
+
+async def _large(group: ShmGroup, src: Array, dst: Array, op: ReduceOp, stage_bytes: int) -> bool:
+    spans = split_spans(len(src), group.size)
+    if not await reduce_slices(group, src, spans, op, stage_bytes):
+        return False
+    # Phase 3: every slice is final in its owner's results: copy them all out.
+    for j, (lo, hi) in enumerate(spans):
+        if hi > lo:
+            dst[lo:hi] = results(group, j, src.dtype, hi - lo)
+    return True
+
+
+async def reduce_slices(
+    group: ShmGroup, src: Array, spans: list[tuple[int, int]], op: ReduceOp, stage_bytes: int
+) -> bool:
+    """Reduce span r of everyone's src into rank r's results area (see the module doc);
+    False when some rank had no room. The results stay there until the next call."""
+    size, rank, dtype, itemsize = group.size, group.rank, src.dtype, src.dtype.itemsize
+    longest = max(hi - lo for lo, hi in spans)
+    # elements per slice and piece: the staging area holds P-1 slots of this many
+    slot = max(1, min(longest, stage_bytes // (max(1, size - 1) * itemsize)))
+    pieces = max(1, -(-longest // slot))
+    lo_r, hi_r = spans[rank]
+    stage_bytes = (size - 1) * slot * itemsize  # a slot per other rank's slice
+    room = group.reserve((hi_r - lo_r) * itemsize, stage_bytes)
+    for p in range(pieces):
+        # Phase 1: stage this piece of every slice but our own.
+        if room:
+            stage = staging(group.area(rank), stage_bytes).view(dtype)
+            for j, (lo, hi) in enumerate(spans):
+                a, b = min(lo + p * slot, hi), min(lo + (p + 1) * slot, hi)
+                if j != rank and b > a:
+                    at = _slot(j, rank) * slot
+                    stage[at : at + b - a] = src[a:b]
+        if not await group.sync(room) and p == 0:
+            return False  # some rank has no room: nothing was written yet
+        # Phase 2: reduce our slice's piece from everyone's input, into our results.
+        a, b = min(lo_r + p * slot, hi_r), min(lo_r + (p + 1) * slot, hi_r)
+        if b > a:
+            inputs = [
+                src[a:b]
+                if j == rank
+                else staging(group.area(j), stage_bytes).view(dtype)[_slot(rank, j) * slot :][
+                    : b - a
+                ]
+                for j in range(size)
+            ]
+            out = results(group, rank, dtype, hi_r - lo_r)[a - lo_r : b - lo_r]
+            reduce_into(out, inputs, op, 0, b - a)
+            if op is ReduceOp.AVG:
+                np.divide(out, size, out=out, casting="unsafe")
+        await group.sync()
+    return True
+
+
+def results(group: ShmGroup, rank: int, dtype: Any, count: int) -> Array:
+    """The first `count` elements of a rank's results (at the start of its data area)."""
+    return group.area(rank)[: count * np.dtype(dtype).itemsize].view(dtype)
+
+
+def _slot(slice_: int, writer: int) -> int:
+    """Where `writer` stages slice `slice_` (it stages every slice but its own)."""
+    return slice_ if slice_ < writer else slice_ - 1
+
+
+def reduce_into(out: Array, inputs: list[Array], op: ReduceOp, lo: int, hi: int) -> None:
+    """out[:hi-lo] = inputs[0][lo:hi] op inputs[1][lo:hi] op ... (in list order), by blocks."""
+    ufunc = _UFUNCS[op]
+    if len(inputs) == 1:
+        out[: hi - lo] = inputs[0][lo:hi]
+        return
+    block = max(1, BLOCK_BYTES // out.dtype.itemsize)
+    for start in range(lo, hi, block):
+        stop = min(start + block, hi)
+        o = out[start - lo : stop - lo]
+        ufunc(inputs[0][start:stop], inputs[1][start:stop], out=o)
+        for extra in inputs[2:]:
+            ufunc(o, extra[start:stop], out=o)

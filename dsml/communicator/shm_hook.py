@@ -1,0 +1,267 @@
+"""The communicator's one hook into the same-host shared-memory plane (communicator).
+
+`ShmHook` follows the views (which members share this host), and runs the shared-memory
+algorithms for a `Call`: the call's fingerprint travels as its entry record, so ranks
+that called different collectives fail with `CollectiveMismatchError` as over TCP; a
+failure marks the call given up in shared memory (peers stop waiting at once) and is
+reported to the peers over TCP by the runner, as for any other algorithm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgpack
+
+from ..collectives import NUMPY, ArrayBackend, ReduceOp
+from ..collectives.all_reduce_hierarchical import all_reduce_hierarchical
+from ..collectives.all_reduce_shm import all_reduce_shm
+from ..collectives.collectives_shm import all_gather_shm, broadcast_shm, reduce_scatter_shm
+from ..collectives.group import Lane, Receipt, Received
+from ..collectives.shm_plane import HostMember, SameHost, ShmCall
+from ..config import CommConfig
+from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
+from ..membership import Member, View
+from ..transport.shm_segment import ShmFullError
+from ..wire import Fingerprint
+from . import stats
+from .call import Call
+from .call_table import CallTable
+from .diagnose import mismatch_message
+
+__all__ = ["ShmHook"]
+
+T = TypeVar("T")
+Array = Any
+
+
+class ShmHook:
+    """See the module docstring."""
+
+    def __init__(self, config: CommConfig, table: CallTable) -> None:
+        self._member_id = table.links.member_id
+        self._table = table
+        self._claimed: list[tuple[int, int]] = []  # (epoch, cid) of calls planned for shm
+        self._finished: asyncio.Future[None] | None = None  # resolved as a call ends
+        self._stage_bytes = config.shm_stage_bytes
+        self.plane = SameHost(
+            enabled=config.shm,
+            stage_bytes=config.shm_stage_bytes,
+            max_data_bytes=config.shm_max_bytes,
+        )
+
+    def set_view(self, view: View) -> None:
+        """Follow a new view (at a collective boundary)."""
+        rank = view.rank_of(self._member_id)
+        assert rank is not None
+        members = [HostMember(m.id, _where(m), m.host_id, m.pid) for m in view.members]
+        self.plane.set_view(view.epoch, members, rank)
+
+    def claim(self, be: ArrayBackend) -> bool:
+        """Whether the call being planned (on arrays of this backend) runs in shared
+        memory; the answer depends only on the view and the array type, so every rank
+        gives the same. If so, the call takes its turn (see `_wait_turn`)."""
+        return _is_numpy(be) and self.plane.all_local and self._take_turn()
+
+    def claim_hierarchical(self, be: ArrayBackend) -> bool:
+        """Like `claim`, for a hierarchical all_reduce (several hosts, as many ranks each)."""
+        return _is_numpy(be) and self.plane.ring_ranks() is not None and self._take_turn()
+
+    def _take_turn(self) -> bool:
+        # Planning happens right after the runner numbered the call, in program order.
+        self._claimed.append((self._table.epoch, self._table.next_cid - 1))
+        return True
+
+    async def _wait_turn(self, call: Call) -> None:
+        """Wait until this rank's earlier shared-memory calls are over: the link runs one
+        call at a time, in collective order on every rank, while TCP calls may overlap."""
+        while True:
+            live = self._table.calls
+            self._claimed = [key for key in self._claimed if key in live]
+            if not any(key < (call.epoch, call.cid) for key in self._claimed):
+                return
+            if self._finished is None:
+                self._finished = asyncio.get_running_loop().create_future()
+            # a timeout too: a call that failed before running ends without telling us
+            waits = (self._finished, call.failed)
+            await asyncio.wait(waits, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
+            if call.failure is not None:
+                raise call.failure
+
+    async def all_reduce(self, call: Call, src: Array, dst: Array, op: ReduceOp) -> bool:
+        """dst = all-reduce of src in shared memory; False (nothing written) for want of room."""
+
+        def algorithm(group: ShmCall) -> Awaitable[bool]:
+            return all_reduce_shm(group, src, dst, op, self._stage_bytes)
+
+        done = await self._run(call, algorithm)
+        if not done:
+            self.plane.warn_no_room(src.nbytes)
+        return done
+
+    async def all_reduce_hierarchical(
+        self, call: Call, src: Array, dst: Array, op: ReduceOp
+    ) -> None:
+        """dst = all-reduce of src: shared memory in each host, a ring between hosts."""
+        ranks = self.plane.ring_ranks()
+        assert ranks is not None
+        ring = _Ring(call, ranks)
+
+        def algorithm(group: ShmCall) -> Awaitable[bool]:
+            return all_reduce_hierarchical(group, ring, src, dst, op, self._stage_bytes)
+
+        if not await self._run(call, algorithm):
+            raise CollectiveAbortedError(
+                f"rank {call.rank} has no room in /dev/shm for a {src.nbytes}-byte "
+                "hierarchical all_reduce; enlarge /dev/shm or raise shm_max_bytes, or use "
+                "algorithm='ring'",
+                origin=call.rank,
+                rank=call.rank,
+                epoch=call.epoch,
+                cid=call.cid,
+            )
+
+    async def barrier(self, call: Call) -> None:
+        await self._run(call, lambda group: group.sync())
+
+    async def broadcast(self, call: Call, buf: Array, root: int) -> bool:
+        """The root's buf into every rank's buf; False (nothing written) for want of room."""
+        done = await self._run(
+            call, lambda group: broadcast_shm(group, buf, root, self._stage_bytes)
+        )
+        if not done:
+            self.plane.warn_no_room(buf.nbytes)
+        return done
+
+    async def all_gather(
+        self, call: Call, block: Array, rows: int, trailing: tuple[int, ...]
+    ) -> Array | None:
+        """Every rank's block concatenated (a new array); None for want of room."""
+        result = await self._run(call, lambda group: all_gather_shm(group, block, rows, trailing))
+        if result is None:
+            self.plane.warn_no_room(block.nbytes)
+        return result
+
+    async def reduce_scatter(
+        self, call: Call, src: Array, spans: list[tuple[int, int]], op: ReduceOp
+    ) -> Array | None:
+        """This rank's reduced span of src (a new flat array); None for want of room."""
+        result = await self._run(
+            call, lambda group: reduce_scatter_shm(group, src, spans, op, self._stage_bytes)
+        )
+        if result is None:
+            self.plane.warn_no_room(src.nbytes)
+        return result
+
+    async def _run(self, call: Call, algorithm: Callable[[ShmCall], Awaitable[T]]) -> T:
+        record = msgpack.packb(call.fingerprint.to_wire())
+
+        def check(peer: int, theirs: bytes) -> CollectiveMismatchError | None:
+            return _mismatch(call, peer, theirs)
+
+        await self._wait_turn(call)
+        try:
+            return await self.plane.run(
+                call.cid, record, algorithm, check, call.failed, _count_wait
+            )
+        except ShmFullError as exc:
+            raise CollectiveAbortedError(
+                f"rank {call.rank} found no room in /dev/shm for its shared-memory link "
+                f"({exc}); free /dev/shm, enlarge it, or set DSML_SHM=0",
+                origin=call.rank,
+                rank=call.rank,
+                epoch=call.epoch,
+                cid=call.cid,
+            ) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._claimed.remove((call.epoch, call.cid))
+            if self._finished is not None and not self._finished.done():
+                self._finished.set_result(None)
+            self._finished = None
+
+    def close(self) -> None:
+        self.plane.close()
+
+    def __repr__(self) -> str:
+        return f"<ShmHook {self.plane!r}>"
+
+
+def _where(member: Member) -> str:
+    """Host name and advertised IP: ranks of one machine that advertise different
+    addresses count as different hosts (as the cost model and the multi-host test
+    harness see them), so they talk over TCP (or `hierarchical`) rather than share memory."""
+    ip = member.address.split("://", 1)[-1].rsplit(":", 1)[0]
+    return f"{member.host}/{ip}"
+
+
+def _count_wait(phase: int, seconds: float) -> None:
+    """comm.stats(): the first sync of a call waits for the peers to arrive, the others
+    for their work (the shared-memory counterpart of the wire)."""
+    record = stats.current.get()
+    if record is not None:
+        if phase == 1:
+            record.waiting_s += seconds
+        else:
+            record.wire_s += seconds
+
+
+def _is_numpy(be: ArrayBackend) -> bool:
+    """numpy arrays (the backend may be wrapped, e.g. to time its work): shared memory
+    holds host memory only."""
+    return be is NUMPY or getattr(be, "inner", None) is NUMPY
+
+
+class _Ring:
+    """The Group of a hierarchical call's ring between hosts: `ranks[i]` is ring rank i."""
+
+    def __init__(self, call: Call, ranks: list[int]) -> None:
+        self._call = call
+        self._ranks = ranks
+        self.rank = ranks.index(call.rank)
+        self.size = len(ranks)
+        self.chunk_bytes = call.chunk_bytes
+
+    async def send(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        payload: memoryview | None = None,
+        *,
+        meta: dict[str, Any] | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Receipt:
+        return await self._call.send(self._ranks[peer], step, chunk, payload, meta=meta, lane=lane)
+
+    async def recv(
+        self,
+        peer: int,
+        step: int,
+        chunk: int = 0,
+        *,
+        nbytes: int | None = None,
+        lane: Lane = Lane.DATA,
+    ) -> Received:
+        return await self._call.recv(self._ranks[peer], step, chunk, nbytes=nbytes, lane=lane)
+
+
+def _mismatch(call: Call, peer: int, theirs: bytes) -> CollectiveMismatchError | None:
+    """The error for a peer's entry record unlike this call's (None: compatible)."""
+    try:
+        other = Fingerprint.from_wire(msgpack.unpackb(theirs))
+    except (ProtocolError, ValueError, msgpack.UnpackException):
+        other = Fingerprint("(an unreadable or overlong fingerprint)")
+    if not call.fingerprint.conflicts(other):
+        return None
+    return CollectiveMismatchError(
+        mismatch_message(call.cid, call.rank, call.fingerprint, peer, other),
+        ranks=(call.rank, peer),
+        rank=call.rank,
+        epoch=call.epoch,
+        cid=call.cid,
+        collective=call.fingerprint.collective,
+    )

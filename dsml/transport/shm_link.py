@@ -1,0 +1,485 @@
+"""The shared-memory link between the members of one host in one epoch (transport layer).
+
+Every local rank owns two segments: a small *control* segment of counters that only it
+writes (one word per peer excepted, see `MAPPED`), and a *data* segment that grows on
+demand (a new segment, a new generation, when a call needs more room). Peers map both
+and read them directly; algorithms reduce straight out of a peer's data segment.
+
+Synchronisation is by counters, no messages. A rank's `PROGRESS` word holds
+`cid * 256 + phase`: it has reached `phase` of collective `cid` (phase 255: it gave that
+call up). `sync` posts the next phase and waits until every peer has posted it. Waiting
+spins (for the first 50 us without yielding, then yielding the CPU between looks, so an
+oversubscribed host still moves) for up to `spin_s`, then sleeps on the event loop until
+a peer's wake-up datagram (`shm_wake.py`) arrives; while it sleeps, the mesh can fail the
+call (a peer lost over TCP, an abort), which cancels the wait. When peers are prompt,
+nothing on this path goes through the event loop.
+
+The first sync of a call also carries the call's *entry record*: its collective id, the
+caller's fingerprint (its wire bytes), whether the caller found room for its data, and
+the generation of its data segment for this call (a faster peer may already have grown
+its segment for the next call: readers map the generation of the record, not the
+newest). Every rank compares every peer's record with its own, so ranks that called
+different collectives fail with `CollectiveMismatchError` as they would over TCP.
+Records (and the inline areas for small calls) alternate between two slots; `begin`
+reuses a slot only once every peer has left the call that used it last.
+
+Segment names are unlinked as soon as every peer has mapped them (a peer writes the
+generation it mapped into its own control segment), so a crash leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
+from .shm_records import Record, find_record, write_record
+from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
+from .shm_wake import Waker
+
+__all__ = ["FAILED", "Check", "LinkPeer", "ShmLink", "Unless"]
+
+#: (peer's rank, its entry record) -> the error to raise, or None when compatible
+Check = Callable[[int, bytes], BaseException | None]
+#: a future whose result is the error that ends the call (None: nothing to watch)
+Unless: TypeAlias = "asyncio.Future[BaseException] | None"
+
+HEADER_BYTES = 4096
+INLINE_BYTES = 1 << 20  # two inline areas (one per record slot) for small calls
+CONTROL_BYTES = HEADER_BYTES + 2 * INLINE_BYTES
+MAGIC = 0x6473_6D6C_7368_6D31  # "dsmlshm1"
+FAILED = 255
+_PHASES = 256
+# control words (int64)
+W_MAGIC, W_PROGRESS, W_LAST_OK, W_GEN, W_DATA_BYTES, W_SLEEPING = 0, 1, 2, 3, 4, 5
+MAPPED = 1280 // 8  # word index: MAPPED + j = generation of rank j's data this rank mapped
+MAX_LOCAL = (HEADER_BYTES - 1280) // 8
+MIN_DATA_BYTES = 256 << 10
+PURE_SPIN_S = 50e-6  # a peer this close behind is worth keeping the CPU for
+BACKSTOP_S = 2e-3  # longest sleep without a look at the peers' counters
+GIVE_UP_GRACE_S = 0.25  # after a peer gave a call up: time for its abort to arrive
+
+
+def _raise_if_done(unless: Unless) -> None:
+    if unless is not None and unless.done():
+        raise unless.result()
+
+
+class _GaveUp(Exception):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+@dataclass(frozen=True, slots=True)
+class LinkPeer:
+    """A member of the host's group: its rank in the link, member id and process id."""
+
+    member: str
+    pid: int
+    rank: int  # its rank in the whole group (for error messages)
+
+
+class ShmLink:
+    """One local rank's end of the link; see the module docstring."""
+
+    def __init__(
+        self,
+        me: int,
+        peers: Sequence[LinkPeer],
+        epoch: int,
+        *,
+        max_data_bytes: int,
+        spin_s: float = 5e-3,
+    ) -> None:
+        assert len(peers) <= MAX_LOCAL
+        self.me = me
+        self.peers = list(peers)
+        self.size = len(peers)
+        self.epoch = epoch
+        self.max_data_bytes = max_data_bytes
+        #: every rank in this process (dsml.testing clusters): waiting must not spin
+        self.in_process = all(p.pid == os.getpid() for p in peers)
+        self._spin_s = 0.0 if self.in_process else spin_s
+        self._control: list[Segment | None] = [None] * self.size
+        self._words: list[Any] = [None] * self.size
+        self._inline: list[Any] = [None] * self.size
+        self._data: list[Segment | None] = [None] * self.size
+        self._areas: list[Any] = [None] * self.size
+        self._gens = [0] * self.size  # generation of each rank's data mapped here
+        self._waker: Waker | None = None
+        self._results_hw = 0  # own data area: bytes at its start that held results
+        self._count = 0  # calls begun: they alternate between two record slots
+        self._used = [0, 0]  # the call that last used each slot (and inline area)
+        self._slot = 0
+        self._cid = 0
+        self.closed = False
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _name(self, rank: int, kind: str) -> str:
+        peer = self.peers[rank]
+        return segment_name(peer.pid, peer.member, self.epoch, kind)
+
+    def create(self) -> None:
+        """Make this rank's control segment (after removing orphans of dead processes)."""
+        sweep_orphans()
+        seg = Segment.create(self._name(self.me, "c"), CONTROL_BYTES)
+        words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
+        words[MAPPED : MAPPED + MAX_LOCAL] = -1
+        words[W_MAGIC] = MAGIC
+        self._control[self.me], self._words[self.me] = seg, words
+        self._inline[self.me] = np.frombuffer(seg.map, np.uint8)[HEADER_BYTES:]
+        self._waker = Waker(self._name(self.me, "w"))
+        self._wake_names = [b"\0" + self._name(r, "w").encode() for r in range(self.size)]
+
+    async def wait_connected(self, unless: Unless = None) -> None:
+        """Map every peer's control segment (they may still be starting)."""
+        assert self._waker is not None
+        self._waker.start()
+        delay = 1e-4
+        while True:
+            for rank in range(self.size):
+                if self._control[rank] is None:
+                    self._map_control(rank)
+            if all(c is not None for c in self._control):
+                return
+            if unless is None:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.wait([unless], timeout=delay)
+                _raise_if_done(unless)
+            delay = min(delay * 2, 5e-3)
+
+    def _map_control(self, rank: int) -> None:
+        try:
+            seg = Segment.open(self._name(rank, "c"))
+        except PermissionError:
+            raise ProtocolError(
+                f"cannot open the shared memory of rank {self.peers[rank].rank} on this host "
+                "(does it run as another user?); run every rank of a host as one user, or "
+                "set DSML_SHM=0"
+            ) from None
+        if seg is None or seg.size < CONTROL_BYTES:
+            return
+        words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
+        if words[W_MAGIC] != MAGIC:
+            del words
+            seg.close()
+            return
+        self._control[rank], self._words[rank] = seg, words
+        self._inline[rank] = np.frombuffer(seg.map, np.uint8)[HEADER_BYTES:]
+        self._words[self.me][MAPPED + rank] = 0
+
+    @property
+    def connected(self) -> bool:
+        return all(c is not None for c in self._control)
+
+    # -- data areas -------------------------------------------------------------------------
+
+    def reserve(self, results_bytes: int, staging_bytes: int) -> bool:
+        """Make room in this rank's data area for a call's results (at its start) and
+        staging (at its end); False when /dev/shm has no room (or it would exceed
+        `max_data_bytes`).
+
+        Staging must not overlap results of the previous call, which slower peers may
+        still be copying out: within one segment, results up to their high-water mark
+        stay clear of it. A larger need makes a new segment (the next generation); peers
+        map it at this call's first sync.
+        """
+        own = self._data[self.me]
+        if own is not None and own.size >= max(self._results_hw, results_bytes) + staging_bytes:
+            self._results_hw = max(self._results_hw, results_bytes)
+            return True
+        nbytes = results_bytes + staging_bytes
+        if nbytes > self.max_data_bytes:
+            return False
+        size = max(nbytes, MIN_DATA_BYTES, 2 * own.size if own is not None else 0)
+        for attempt in (min(size, self.max_data_bytes), nbytes):
+            gen = self._gens[self.me] + 1
+            try:
+                seg = Segment.create(self._name(self.me, f"d{gen}"), attempt)
+            except ShmFullError:
+                continue
+            self._install(self.me, seg, gen)
+            self._results_hw = results_bytes
+            words = self._words[self.me]
+            words[W_DATA_BYTES] = seg.size
+            words[W_GEN] = gen  # for diagnosis: peers take the generation from entry records
+            return True
+        return False
+
+    def area(self, rank: int) -> Any:
+        """Rank's data area as uint8 (mapped as of this rank's last completed sync)."""
+        return self._areas[rank]
+
+    def inline(self, rank: int, cid: int) -> Any:
+        """Rank's inline area for call `cid` (INLINE_BYTES as uint8, in its control segment;
+        a peer's only once this call's first sync is over: its record says which)."""
+        if rank == self.me:
+            assert cid == self._cid
+            slot = self._slot
+        else:
+            slot = self._read_record(rank, cid)[4]
+            if slot < 0:
+                raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
+        return self._inline[rank][slot * INLINE_BYTES : (slot + 1) * INLINE_BYTES]
+
+    def _install(self, rank: int, seg: Segment, gen: int) -> None:
+        old = self._data[rank]
+        self._data[rank], self._areas[rank], self._gens[rank] = (
+            seg,
+            np.frombuffer(seg.map, np.uint8),
+            gen,
+        )
+        if old is not None:
+            old.close()
+
+    def _map_data(self, cid: int) -> None:
+        """Map the data generation each peer uses in call `cid` (from its entry record:
+        a faster peer may already have grown its area for the next call)."""
+        mine = self._words[self.me]
+        for rank in range(self.size):
+            if rank == self.me:
+                continue
+            gen = self._read_record(rank, cid)[3]
+            if gen != self._gens[rank]:
+                seg = Segment.open(self._name(rank, f"d{gen}"))
+                if seg is None:
+                    raise ProtocolError(
+                        f"rank {self.peers[rank].rank}'s shared-memory segment {gen} vanished"
+                    )
+                self._install(rank, seg, gen)
+                mine[MAPPED + rank] = gen
+        self._unlink_mapped()
+
+    def _unlink_mapped(self) -> None:
+        me = self.me
+        seen = min(
+            (int(self._words[r][MAPPED + me]) for r in range(self.size) if r != me), default=0
+        )
+        control = self._control[me]
+        if seen >= 0 and control is not None and control.linked:
+            control.unlink()
+        own = self._data[me]
+        if own is not None and own.linked and seen >= self._gens[me]:
+            own.unlink()
+
+    # -- synchronisation --------------------------------------------------------------------
+
+    async def begin(self, cid: int, unless: Unless = None) -> None:
+        """Start call `cid` on this rank: take the record slot and inline area not used by
+        the previous call, once every peer has left the call that used them last.
+
+        Peers read a call's record and inline area after its first sync; a peer may lag
+        behind by more than a call (the calls between may need no word from it, over TCP),
+        so the slot is reused only when nobody can still be reading it.
+        """
+        slot = self._count % 2
+        self._count += 1
+        used = self._used[slot]
+        if used:
+            await self._wait(lambda rank: self._left(rank, used), unless)
+        self._used[slot], self._slot, self._cid = cid, slot, cid
+
+    async def sync(
+        self,
+        cid: int,
+        phase: int,
+        record: bytes | None = None,
+        ok: bool = True,
+        check: Check | None = None,
+        unless: Unless = None,
+    ) -> bool:
+        """Post (cid, phase) and wait for every peer to post it; True when all were ok.
+
+        With `record` (the caller's fingerprint bytes) this is the call's first sync: the
+        entry records are written and compared; `check(peer rank, their record)` gives the
+        error to raise for a record unlike ours (None: compatible).
+        """
+        assert 0 < phase < FAILED
+        assert cid == self._cid, "begin(cid) first"
+        mine = self._words[self.me]
+        if record is not None:
+            self._write_record(cid, record, ok)
+        mine[W_PROGRESS] = cid * _PHASES + phase
+        self._wake_sleepers()
+        try:
+            await self._wait(lambda rank: self._reached(rank, cid, phase), unless)
+        except _GaveUp as gave_up:
+            await self._peer_gave_up(gave_up.rank, cid, record, check, unless)
+        except Exception:
+            if record is not None:  # a mismatch seen here says more than a peer's abort
+                self._check_records(cid, record, check, present_only=True)
+            raise
+        if record is None:
+            self._unlink_mapped()
+            return True
+        all_ok = self._check_records(cid, record, check)
+        self._map_data(cid)
+        return all_ok
+
+    async def _peer_gave_up(
+        self, rank: int, cid: int, record: bytes | None, check: Check | None, unless: Unless
+    ) -> None:
+        """A peer failed this call: raise its reason if we can tell it, else wait briefly
+        for its abort over TCP (which fails this call with the real reason)."""
+        if record is not None:  # a mismatch, seen here too
+            self._check_records(cid, record, check, present_only=True)
+        if unless is not None:
+            await asyncio.wait([unless], timeout=GIVE_UP_GRACE_S)
+            _raise_if_done(unless)
+        else:
+            await asyncio.sleep(GIVE_UP_GRACE_S)
+        raise CollectiveAbortedError(
+            f"rank {self.peers[rank].rank} gave up collective #{cid} (its own error says why)",
+            origin=self.peers[rank].rank,
+            rank=self.peers[self.me].rank,
+            epoch=self.epoch,
+            cid=cid,
+        )
+
+    def complete(self, cid: int) -> None:
+        """This rank finished call `cid` successfully."""
+        self._words[self.me][W_LAST_OK] = cid
+
+    def abandon(self, cid: int) -> None:
+        """This rank gave call `cid` up: peers waiting on it stop waiting."""
+        if self._words[self.me] is not None:
+            self._words[self.me][W_PROGRESS] = cid * _PHASES + FAILED
+            self._wake_sleepers()
+
+    def _wake_sleepers(self) -> None:
+        assert self._waker is not None
+        for rank in range(self.size):
+            words = self._words[rank]
+            if rank != self.me and words is not None and words[W_SLEEPING]:
+                self._waker.wake(self._wake_names[rank])
+
+    def _reached(self, rank: int, cid: int, phase: int) -> bool:
+        words = self._words[rank]
+        progress = int(words[W_PROGRESS])
+        at, step = divmod(progress, _PHASES)
+        if at < cid:
+            return False
+        if at == cid and step != FAILED:
+            return step >= phase
+        if at > cid and int(words[W_LAST_OK]) >= cid:
+            return True  # it finished this call and went on
+        raise _GaveUp(rank)
+
+    async def _wait(self, ready: Callable[[int], bool], unless: Unless) -> None:
+        """Spin for up to spin_s (yielding the CPU after the first PURE_SPIN_S), then
+        sleep until a peer wakes us; raise the result of `unless` once it is done (the
+        call failed)."""
+        pending = [r for r in range(self.size) if r != self.me]
+        start = time.perf_counter()
+        while True:
+            _raise_if_done(unless)
+            pending = [r for r in pending if not ready(r)]
+            if not pending:
+                return
+            waited = time.perf_counter() - start
+            if waited > self._spin_s:
+                break
+            if waited > PURE_SPIN_S:
+                os.sched_yield()
+        assert self._waker is not None
+        mine = self._words[self.me]
+        try:
+            while True:
+                self._waker.arm()
+                mine[W_SLEEPING] = 1
+                pending = [r for r in pending if not ready(r)]
+                if not pending:
+                    return
+                await self._waker.wait(BACKSTOP_S, unless)
+                _raise_if_done(unless)
+        finally:
+            mine[W_SLEEPING] = 0
+
+    def _left(self, rank: int, cid: int) -> bool:
+        """Whether rank is done with call cid (finished, gave up, or moved on)."""
+        words = self._words[rank]
+        at, step = divmod(int(words[W_PROGRESS]), _PHASES)
+        return at > cid or (at == cid and step == FAILED) or int(words[W_LAST_OK]) >= cid
+
+    def _write_record(self, cid: int, record: bytes, ok: bool) -> None:
+        control = self._control[self.me]
+        assert control is not None
+        write_record(control.map, self._slot, Record(cid, ok, record, self._gens[self.me]))
+
+    def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int, int]:
+        """(cid, ok, fingerprint bytes, data generation, slot) of rank's entry record for
+        call cid; cid -1 and slot -1 when it has none."""
+        control = self._control[rank]
+        assert control is not None
+        found = find_record(control.map, cid)
+        if found is None:
+            return -1, False, b"", 0, -1
+        slot, rec = found
+        return rec.cid, rec.ok, rec.fingerprint, rec.gen, slot
+
+    def _check_records(
+        self, cid: int, record: bytes, check: Check | None, *, present_only: bool = False
+    ) -> bool:
+        all_ok = bool(self._read_record(self.me, cid)[1])
+        for rank in range(self.size):
+            if rank == self.me:
+                continue
+            their_cid, ok, theirs, _gen, _slot = self._read_record(rank, cid)
+            if their_cid != cid and present_only:
+                continue
+            if their_cid != cid:
+                raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
+            if theirs != record:
+                self._mismatch(rank, cid, theirs, check)
+            all_ok = all_ok and ok
+        return all_ok
+
+    def _mismatch(self, rank: int, cid: int, theirs: bytes, check: Check | None) -> None:
+        peer = self.peers[rank].rank
+        if check is not None:
+            error = check(peer, theirs)
+            if error is None:
+                return  # byte-different but compatible (fields unknown to one side)
+            raise error
+        me = self.peers[self.me].rank
+        raise CollectiveMismatchError(
+            f"collective #{cid}: rank {me} and rank {peer} called different collectives "
+            "or passed different arguments; every rank must make the same calls in the "
+            "same order",
+            ranks=(me, peer),
+            rank=me,
+            epoch=self.epoch,
+            cid=cid,
+        )
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap everything and remove this rank's names."""
+        if self.closed:
+            return
+        self.closed = True
+        self._words = [None] * self.size
+        self._inline = [None] * self.size
+        self._areas = [None] * self.size
+        for seg in [*self._control, *self._data]:
+            if seg is not None:
+                seg.close()
+        self._control = [None] * self.size
+        self._data = [None] * self.size
+        if self._waker is not None:
+            self._waker.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<ShmLink rank {self.me}/{self.size} epoch={self.epoch} "
+            f"connected={self.connected} data_gen={self._gens[self.me]}>"
+        )

@@ -1,0 +1,363 @@
+"""The same-host shared-memory path: segments, the link, the algorithms, the communicator.
+
+Segment and link tests run real processes (forked with multiprocessing) over real
+/dev/shm segments; communicator tests run an in-process cluster, whose members all share
+this host, so `auto` runs in shared memory. Names are unique per test (member ids carry
+the test's PID and a counter), and every test checks that it left no /dev/shm file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dsml
+from dsml.collectives.all_reduce_shm import all_reduce_shm
+from dsml.collectives.ops import ReduceOp
+from dsml.collectives.shm_plane import HostMember, SameHost
+from dsml.testing import open_local_cluster
+from dsml.transport.shm_segment import SHM_DIR, Segment, segment_name, sweep_orphans
+
+_COUNTER = itertools.count()
+CTX = mp.get_context("fork")
+
+
+def unique() -> str:
+    return f"t{os.getpid()}x{next(_COUNTER)}"
+
+
+def leftovers(tag: str) -> list[str]:
+    return [n for n in os.listdir(SHM_DIR) if tag in n]
+
+
+@pytest.fixture
+def tag() -> Iterator[str]:
+    """A unique tag for this test's segment names; fails the test if any is left."""
+    value = unique()
+    yield value
+    left = leftovers(value)
+    assert not left, f"segments left in {SHM_DIR}: {left}"
+
+
+# -- segments ------------------------------------------------------------------------------
+
+
+def test_a_segment_is_visible_to_another_process_until_unlinked(tag: str) -> None:
+    seg = Segment.create(segment_name(os.getpid(), tag, 1, "c"), 1 << 16)
+    np.frombuffer(seg.map, np.uint8)[:4] = [1, 2, 3, 4]
+    peer = Segment.open(seg.name)
+    assert peer is not None
+    assert list(np.frombuffer(peer.map, np.uint8)[:4]) == [1, 2, 3, 4]
+    seg.unlink()
+    assert Segment.open(seg.name) is None
+    np.frombuffer(seg.map, np.uint8)[0] = 9  # still mapped: the memory lives on
+    assert np.frombuffer(peer.map, np.uint8)[0] == 9
+    peer.close()
+    seg.close()
+
+
+def _make_segment_and_hang(name_tag: str, ready: Any) -> None:
+    Segment.create(segment_name(os.getpid(), name_tag, 1, "c"), 4096)
+    ready.set()
+    time.sleep(60)
+
+
+def test_sweeping_removes_segments_of_killed_processes_but_not_of_live_ones(tag: str) -> None:
+    ready = CTX.Event()
+    child = CTX.Process(target=_make_segment_and_hang, args=(tag, ready))
+    child.start()
+    assert ready.wait(20)
+    mine = Segment.create(segment_name(os.getpid(), tag, 1, "d1"), 4096)
+    sweep_orphans()
+    assert len(leftovers(tag)) == 2  # both owners alive
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    removed = sweep_orphans()
+    assert [n for n in removed if tag in n] == [segment_name(child.pid, tag, 1, "c")]
+    assert leftovers(tag) == [mine.name]
+    mine.close()
+
+
+# -- the link and the algorithm, across real processes ----------------------------------------
+
+
+def _plane(tag: str, rank: int, pids: list[int], **options: Any) -> SameHost:
+    members = [HostMember(f"{tag}r{r}", "host", "id", pid) for r, pid in enumerate(pids)]
+    plane = SameHost(
+        enabled=True,
+        stage_bytes=options.get("stage_bytes", 1 << 20),
+        max_data_bytes=options.get("max_data_bytes", 1 << 30),
+    )
+    plane.set_view(1, members, rank)
+    return plane
+
+
+def _reduce_worker(tag: str, rank: int, inbox: Any, results: Any, cases: list[Any]) -> None:
+    pids = inbox.get()
+    plane = _plane(tag, rank, pids, stage_bytes=64 << 10)
+
+    async def run() -> None:
+        for cid, (n, dtype, op) in enumerate(cases, start=1):
+            x = (np.arange(n) % 13 + rank + 1).astype(dtype)
+            fp = f"{n}{dtype}{op}".encode()
+            done = await plane.run(
+                cid, fp, lambda g, x=x, op=op: all_reduce_shm(g, x, x, ReduceOp(op), 64 << 10)
+            )
+            results.put((rank, cid, done, x.tobytes()))
+        plane.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_shm_between_processes_is_exact_small_large_and_in_pieces(
+    tag: str, world: int
+) -> None:
+    # 100, 40_000 elements: inline; 300_001, 400_000: several pieces of the 64 KiB stage
+    cases = [(100, "int64", "sum"), (40_000, "float32", "max"), (300_001, "int32", "sum")]
+    cases += [(400_000, "float32", "max"), (300_000, "float64", "avg")]
+    cases += [(0, "float64", "sum"), (5000, "float64", "avg"), (1, "int8", "min")]
+    inboxes = [CTX.Queue() for _ in range(world)]
+    results = CTX.Queue()
+    procs = [
+        CTX.Process(target=_reduce_worker, args=(tag, r, inboxes[r], results, cases))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for box in inboxes:
+            box.put([p.pid for p in procs])
+        got = [results.get(timeout=30) for _ in range(world * len(cases))]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for _rank, cid, done, raw in got:
+        n, dtype, op = cases[cid - 1]
+        inputs = [(np.arange(n) % 13 + r + 1).astype(dtype) for r in range(world)]
+        expected = {
+            "sum": lambda: np.sum(inputs, axis=0, dtype=dtype),
+            "max": lambda: np.max(inputs, axis=0),
+            "min": lambda: np.min(inputs, axis=0),
+            "avg": lambda: np.sum(inputs, axis=0) / world,
+        }[op]()
+        assert done
+        np.testing.assert_array_equal(np.frombuffer(raw, dtype), expected.astype(dtype))
+    by_call: dict[int, set[bytes]] = {}
+    for _rank, cid, _done, raw in got:
+        by_call.setdefault(cid, set()).add(raw)
+    assert all(len(v) == 1 for v in by_call.values()), "ranks ended with different bits"
+
+
+def _loop_until_killed(tag: str, rank: int, inbox: Any, started: Any) -> None:
+    pids = inbox.get()
+    plane = _plane(tag, rank, pids, stage_bytes=256 << 10)
+
+    async def run() -> None:
+        rng = random.Random(7)  # the same sizes on both ranks
+        for cid in itertools.count(1):
+            n = rng.choice([10, 50_000, 400_000, 2_000_000])  # data segments keep growing
+            x = np.ones(n, np.float32)
+            await plane.run(
+                cid, str(n).encode(), lambda g, x=x: all_reduce_shm(g, x, x, ReduceOp.SUM, 1 << 18)
+            )
+            if cid == 2:
+                started.set()
+
+    asyncio.run(run())
+
+
+def test_kill_9_of_ranks_mid_operation_twenty_times_leaves_no_segment_behind(tag: str) -> None:
+    """Two processes loop over all_reduces; one is killed with SIGKILL at a random moment,
+    then the other (as its communicator would be closed or killed too). Segment names are
+    unlinked once mapped, and the sweep of the next start removes the rest."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    for round_ in range(20):
+        round_tag = f"{tag}k{round_}"
+        inboxes = [CTX.Queue() for _ in range(2)]
+        started = CTX.Event()
+        procs = [
+            CTX.Process(target=_loop_until_killed, args=(round_tag, r, inboxes[r], started))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for box in inboxes:
+            box.put([p.pid for p in procs])
+        assert started.wait(20), "the processes did not get going"
+        time.sleep(rng.uniform(0, 0.02))
+        victim = rng.randrange(2)
+        for p in (procs[victim], procs[1 - victim]):
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+        sweep_orphans()  # what the next link to start does
+        assert not leftovers(round_tag), f"round {round_}: {leftovers(round_tag)}"
+
+
+# -- through the communicator ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: int) -> None:
+    async with open_local_cluster(world) as comms:
+        assert all(c._shm.plane.all_local for c in comms)
+        cases = [(0, "int32", "sum"), (7, "int64", "prod"), (70_000, "float32", "max")]
+        for n, dtype, op in [*cases, (600_000, "int32", "min")]:
+            xs = [(np.arange(n) % 5 + r + 1).astype(dtype) for r in range(world)]
+            expected = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}[op](
+                xs, axis=0
+            )
+            await asyncio.gather(*(c.all_reduce(x, op) for c, x in zip(comms, xs, strict=True)))
+            for x in xs:
+                np.testing.assert_array_equal(x, expected.astype(dtype))
+        # non-contiguous input, algorithm named explicitly
+        base = [np.arange(40, dtype=np.float64).reshape(8, 5) * (r + 1) for r in range(world)]
+        views = [b[:, 1:4] for b in base]
+        await asyncio.gather(
+            *(c.all_reduce(v, algorithm="shm") for c, v in zip(comms, views, strict=True))
+        )
+        total = sum(range(1, world + 1))
+        for b in base:
+            np.testing.assert_array_equal(b[:, 1:4], np.arange(40.0).reshape(8, 5)[:, 1:4] * total)
+        await asyncio.gather(*(c.barrier() for c in comms))
+        assert all(c._shm.plane.calls == 6 for c in comms)  # every call ran in shared memory
+
+
+async def test_ranks_calling_different_shapes_fail_with_a_mismatch_on_every_rank() -> None:
+    async with open_local_cluster(3) as comms:
+        xs = [np.ones(10 + (r == 2), np.float32) for r in range(3)]
+        results = await asyncio.gather(
+            *(c.all_reduce(x, algorithm="shm") for c, x in zip(comms, xs, strict=True)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, dsml.CollectiveMismatchError) for r in results), results
+        assert all((x == 1).all() for x in xs)  # inputs intact
+        ys = [np.full(4, r, np.int64) for r in range(3)]  # the next call is fine
+        await asyncio.gather(*(c.all_reduce(y) for c, y in zip(comms, ys, strict=True)))
+        assert all((y == 3).all() for y in ys)
+
+
+async def test_without_room_in_dev_shm_large_arrays_go_over_tcp_with_one_warning() -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("dsml.shm")  # its own handler: dsml's logger may not propagate
+    logger.addHandler(handler)
+    config = dsml.CommConfig(shm_max_bytes=256 << 10)  # as if /dev/shm were tiny
+    try:
+        async with open_local_cluster(2, config=config) as comms:
+            for _ in range(2):
+                xs = [np.full(1 << 20, r + 1, np.int32) for r in range(2)]  # 4 MiB
+                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+                assert all((x == 3).all() for x in xs)
+    finally:
+        logger.removeHandler(handler)
+    warnings = [r for r in records if "/dev/shm" in r.getMessage()]
+    assert len(warnings) == 2  # one per communicator, not one per call
+
+
+async def test_dsml_shm_0_keeps_every_collective_on_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSML_SHM", "0")
+    async with open_local_cluster(2) as comms:
+        assert not comms[0].config.shm
+        assert comms[0].view.members[0].host_id == ""
+        assert not comms[0]._shm.plane.all_local
+        xs = [np.full(5, r + 1, np.int32) for r in range(2)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        assert all((x == 3).all() for x in xs)
+        assert comms[0]._shm.plane.calls == 0
+
+
+def test_dsml_shm_config_is_validated() -> None:
+    with pytest.raises(dsml.ConfigError):
+        dsml.CommConfig(shm_stage_bytes=10)
+    assert dataclasses.replace(dsml.CommConfig(), shm=False).shm is False
+
+
+@pytest.mark.parametrize("n", [5, 300_001])  # inline; several pieces of a 64 KiB stage
+async def test_broadcast_all_gather_and_reduce_scatter_in_shared_memory_are_exact(n: int) -> None:
+    world = 3
+    config = dsml.CommConfig(shm_stage_bytes=64 << 10)
+    async with open_local_cluster(world, config=config) as comms:
+        xs = [np.full(n, r + 1, np.int32) for r in range(world)]
+        xs[1][:] = np.arange(n) % 1000
+        await asyncio.gather(*(c.broadcast(x, root=1) for c, x in zip(comms, xs, strict=True)))
+        for x in xs:
+            np.testing.assert_array_equal(x, np.arange(n) % 1000)
+
+        blocks = [np.full((n // 10 + r, 3), r, np.int64) for r in range(world)]  # rows differ
+        gathered = await asyncio.gather(
+            *(c.all_gather(b) for c, b in zip(comms, blocks, strict=True))
+        )
+        for g in gathered:
+            np.testing.assert_array_equal(g, np.concatenate(blocks))
+
+        ys = [(np.arange(n) % 7 + r).astype(np.int64) for r in range(world)]
+        parts = await asyncio.gather(*(c.reduce_scatter(y) for c, y in zip(comms, ys, strict=True)))
+        total = np.sum(ys, axis=0)
+        for r, part in enumerate(parts):
+            np.testing.assert_array_equal(part, np.array_split(total, world)[r])
+        assert all((y == np.arange(n) % 7 + r).all() for r, y in enumerate(ys))  # inputs kept
+        assert all(c._shm.plane.calls == 3 for c in comms)  # all in shared memory
+
+
+@pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 1), (2, 3)])
+async def test_hierarchical_all_reduce_over_hosts_is_exact(
+    monkeypatch: pytest.MonkeyPatch, hosts: int, per_host: int
+) -> None:
+    """Members join in rank order; the first `per_host` say they run on one machine, the
+    next on another, ... (host identities faked; their segments all live in this /dev/shm)."""
+    init_module = importlib.import_module("dsml.communicator.init")  # the module, not init()
+    identities = iter(f"fake{os.getpid()}:{r // per_host}" for r in range(hosts * per_host))
+    monkeypatch.setattr(init_module, "host_identity", lambda: next(identities))
+    world = hosts * per_host
+    async with open_local_cluster(world) as comms:
+        assert not comms[0]._shm.plane.all_local
+        for n, op in [(10, "sum"), (100_003, "max"), (50_000, "avg")]:
+            dtype = np.float64 if op == "avg" else np.int64
+            xs = [(np.arange(n) % 11 + r).astype(dtype) for r in range(world)]
+            expected = {"sum": np.sum, "max": np.max, "avg": np.mean}[op](xs, axis=0)
+            await asyncio.gather(
+                *(
+                    c.all_reduce(x, op, algorithm="hierarchical")
+                    for c, x in zip(comms, xs, strict=True)
+                )
+            )
+            for x in xs:
+                np.testing.assert_allclose(x, expected, rtol=1e-12)
+            assert len({x.tobytes() for x in xs}) == 1  # bitwise identical everywhere
+        assert all(c._shm.plane.calls == 3 for c in comms)  # the local phases ran
+
+
+async def test_a_rank_that_never_arrives_times_out_the_others_and_a_late_one_fails_too() -> None:
+    async with open_local_cluster(3) as comms:
+        xs = [np.full(1000, r + 1, np.float32) for r in range(3)]
+        early = await asyncio.gather(
+            *(c.all_reduce(x, timeout=0.5) for c, x in zip(comms[:2], xs[:2], strict=True)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(e, dsml.CollectiveTimeoutError) for e in early), early
+        assert any(2 in e.missing for e in early)  # the first to time out names rank 2
+        with pytest.raises(dsml.CollectiveError):
+            await comms[2].all_reduce(xs[2], timeout=5)
+        assert all((x == r + 1).all() for r, x in enumerate(xs))  # inputs intact
+        ys = [np.full(3, r, np.int32) for r in range(3)]  # and the group goes on
+        await asyncio.gather(*(c.all_reduce(y) for c, y in zip(comms, ys, strict=True)))
+        assert all((y == 3).all() for y in ys)
