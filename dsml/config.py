@@ -58,7 +58,8 @@ class CommConfig:
             its peer links and its registry connection are encrypted and authenticated.
             Worker daemons started with `--curve-keys` set it for their jobs.
         shm: members on the same host exchange data through shared memory (/dev/shm);
-            `DSML_SHM=0` turns it off (see docs/shm.md).
+            off by default in this release (`DSML_SHM=1` or `shm=True` turns it on; see
+            docs/shm.md for why).
         shm_stage_bytes: how much of one rank's input is in shared memory at once
             (larger arrays go through in pieces).
         shm_max_bytes: the most /dev/shm one rank's data segment may take; a collective
@@ -78,7 +79,7 @@ class CommConfig:
     gpu_reduce: str = "host"
     engine_trace: bool = False
     curve: Any = None
-    shm: bool = True
+    shm: bool = False
     shm_stage_bytes: int = 8 * _MiB
     shm_max_bytes: int = 1024 * _MiB
 

@@ -43,6 +43,12 @@ def leftovers(tag: str) -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if tag in n]
 
 
+@pytest.fixture(autouse=True)
+def shm_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared memory is opt-in in this release: every communicator here turns it on."""
+    monkeypatch.setenv("DSML_SHM", "1")
+
+
 @pytest.fixture
 def tag() -> Iterator[str]:
     """A unique tag for this test's segment names; fails the test if any is left."""

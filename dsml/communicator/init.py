@@ -69,6 +69,8 @@ def _resolve(
     shm = env.get("DSML_SHM", "").strip().lower()
     if shm in ("0", "false", "no", "off") and config.shm:
         config = dataclasses.replace(config, shm=False)
+    elif shm in ("1", "true", "yes", "on") and not config.shm:
+        config = dataclasses.replace(config, shm=True)
     return _JoinArgs(plan, name, config, spec, bind, ifname)
 
 
