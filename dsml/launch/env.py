@@ -69,7 +69,7 @@ def detect_launcher(env: Mapping[str, str]) -> LauncherEnv | None:
         ConfigError: a launcher's variable is malformed (not an integer, a bad host list,
             MASTER_PORT out of range).
     """
-    for detect in (_env_style, _open_mpi, _mpich, _pmix):
+    for detect in (_env_style, _mpi):
         found = detect(env)
         if found is not None:
             return _with_slurm_rendezvous(found, env)
@@ -118,42 +118,37 @@ def _env_style(env: Mapping[str, str]) -> LauncherEnv | None:
     )
 
 
-def _open_mpi(env: Mapping[str, str]) -> LauncherEnv | None:
-    rank = env_int(env, "OMPI_COMM_WORLD_RANK")
-    if rank is None:
-        return None
-    return LauncherEnv(
-        launcher="openmpi",
-        rank=rank,
-        world_size=env_int(env, "OMPI_COMM_WORLD_SIZE"),
-        local_rank=env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
-        node_rank=env_int(env, "OMPI_COMM_WORLD_NODE_RANK"),
-        rendezvous=_master(env),
-        variables="OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE",
-    )
+#: MPI launchers: name, then the variables of rank, size, local rank and node rank (None:
+#: the launcher sets none). Open MPI; MPICH Hydra and Intel MPI; PMIx (rank only).
+_MPI_VARIABLES: tuple[tuple[str, str, str | None, str | None, str | None], ...] = (
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_NODE_RANK",
+    ),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", None),
+    ("pmix", "PMIX_RANK", None, None, None),
+)
 
 
-def _mpich(env: Mapping[str, str]) -> LauncherEnv | None:
-    rank = env_int(env, "PMI_RANK")
-    if rank is None:
-        return None
-    return LauncherEnv(
-        launcher="mpich",
-        rank=rank,
-        world_size=env_int(env, "PMI_SIZE"),
-        local_rank=env_int(env, "MPI_LOCALRANKID"),
-        rendezvous=_master(env),
-        variables="PMI_RANK/PMI_SIZE",
-    )
-
-
-def _pmix(env: Mapping[str, str]) -> LauncherEnv | None:
-    rank = env_int(env, "PMIX_RANK")
-    if rank is None:
-        return None
-    return LauncherEnv(
-        launcher="pmix", rank=rank, world_size=None, rendezvous=_master(env), variables="PMIX_RANK"
-    )
+def _mpi(env: Mapping[str, str]) -> LauncherEnv | None:
+    """The first MPI launcher whose rank variable is set, read through `_MPI_VARIABLES`."""
+    for launcher, rank_var, size_var, local_var, node_var in _MPI_VARIABLES:
+        rank = env_int(env, rank_var)
+        if rank is None:
+            continue
+        return LauncherEnv(
+            launcher=launcher,
+            rank=rank,
+            world_size=env_int(env, size_var) if size_var else None,
+            local_rank=env_int(env, local_var) if local_var else None,
+            node_rank=env_int(env, node_var) if node_var else None,
+            rendezvous=_master(env),
+            variables=f"{rank_var}/{size_var}" if size_var else rank_var,
+        )
+    return None
 
 
 def _slurm(env: Mapping[str, str]) -> LauncherEnv | None:
