@@ -103,8 +103,11 @@ class PointToPoint:
                     raise table.peer_left_error(dst, "send to")
                 waiting = asyncio.ensure_future(receipt.wait())
                 try:
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can drop a user's
+                    # cancel that arrives in the turn the receipt completes.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(call.unless_failed(waiting), _CHECK_PEER_S)
+                        async with asyncio.timeout(_CHECK_PEER_S):
+                            await call.unless_failed(waiting)
                 finally:
                     waiting.cancel()  # our wait on the tracker only, not the message
 
