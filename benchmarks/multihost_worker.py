@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 
 TAG_ROW, TAG_MODEL = "MULTIHOST_ROW ", "MULTIHOST_MODEL "
+#: rank 0's CPU seconds (user, system) per timed call of the last measurement, barriers
+#: included (its own threads, not the kernel's softirq work done on its behalf elsewhere)
+CPU_PER_CALL = [0.0, 0.0]
 
 
 def calls_for(warm_s: float, budget_s: float) -> int:
@@ -41,6 +44,8 @@ def row(nbytes: int, size: int, algorithm: str, times: np.ndarray, **extra: Any)
         "median_s": median,
         "calls": len(times),
         "busbw_GBps": algbw * 2 * (size - 1) / size,
+        "cpu_user_s": CPU_PER_CALL[0],
+        "cpu_sys_s": CPU_PER_CALL[1],
         **extra,
     }
     return TAG_ROW + json.dumps(fields)
@@ -93,11 +98,15 @@ async def _timed(
     await reduce_max(warm)
     calls = calls_for(float(warm[0]), budget_s)
     times = np.empty(calls)
+    cpu = os.times()
     for i in range(calls):
         await barrier()
         start = time.perf_counter()
         await once()
         times[i] = time.perf_counter() - start
+    spent = os.times()
+    CPU_PER_CALL[0] = (spent.user - cpu.user) / calls
+    CPU_PER_CALL[1] = (spent.system - cpu.system) / calls
     await reduce_max(times)
     return times
 

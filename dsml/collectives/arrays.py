@@ -93,9 +93,16 @@ class ArrayBackend:
             ufunc(mine, received, out=out[lo:hi])
 
     def combine(self, op: ReduceOp, local: Array, lo: int, hi: int, data: memoryview) -> Array:
-        """A new flat array op(data, local[lo:hi]) (for partial results sent and dropped)."""
+        """op(data, local[lo:hi]) as a flat array, for partial results sent on and dropped.
+
+        The received bytes are consumed: when `data` is writable (a frame ZeroMQ handed
+        over, ours alone) the result is written over it, so no buffer is allocated and the
+        transport forwards that very frame without a copy and without tracking it.
+        """
         received = np.frombuffer(data, dtype=local.dtype)
-        return _UFUNCS[op](received, local[lo:hi])
+        if data.readonly:
+            return _UFUNCS[op](received, local[lo:hi])
+        return _UFUNCS[op](received, local[lo:hi], out=received)
 
     def write(self, out: Array, lo: int, hi: int, data: memoryview) -> None:
         """out[lo:hi] = the received bytes."""

@@ -3,7 +3,8 @@
 Pure arithmetic: no I/O. `cost_probe.py` measures a group and builds the model; the
 communicator asks it which algorithm and chunk size `auto` stands for at a given size.
 
-The model has six numbers, in the style of Thakur, Rabenseifner and Gropp (2005):
+The model has seven numbers and a small table, in the style of Thakur, Rabenseifner and
+Gropp (2005):
 
 - `alpha_s`: one-way latency of a small message (half a ping-pong's round trip);
 - `beta_s`: seconds per byte when every rank sends to its ring neighbour at once (the
@@ -13,7 +14,12 @@ The model has six numbers, in the style of Thakur, Rabenseifner and Gropp (2005)
   where the CPU is the limit, fewer hops can make it cost less);
 - `overhead_s`: CPU time one rank spends per extra message (back-to-back sends);
 - `gamma_s`: seconds per byte to reduce one array into another on this machine;
-- `ranks_per_host`: the most ranks that share one host (and so one network card).
+- `copy_s`: seconds per byte to copy received bytes into the result on this machine
+  (with gamma, the CPU's share of each byte; where the CPU, not the link, is the limit,
+  as on hosts that share cores, it is what the call costs);
+- `ranks_per_host`: the most ranks that share one host (and so one network card);
+- `raced`: what each algorithm really took on this group at a few sizes (the probe races
+  them): (algorithm, bytes, seconds) rows.
 
 With P ranks, n bytes, s = n/P, chunk c and k = ceil(b/c) chunks of a b-byte stream: a
 pipelined stage of b bytes takes `stage(b) = max(b*beta, a + c*(beta + gamma))`: the
@@ -29,7 +35,16 @@ forward. Then
 
 where beta' is beta_all times `ranks_per_host` when the group spans several hosts (every
 rank of a host sends across at once in those algorithms, while the ring crosses each host
-boundary once). With gamma and o zero and one chunk, the ring's line is Thakur's
+boundary once). Every algorithm but the tree also copies what it received into the
+result at the end: (P-1)/P n copy for ring and mesh, n copy for naive and direct.
+
+The formulas miss what a given machine adds per message and per hop (wake-ups, a shaper's
+burst allowance, cores shared between "hosts"), which decides small arrays. So where the
+probe raced an algorithm, the prediction is the measured time: interpolated linearly
+between raced sizes (the smallest raced time below them), and above the largest raced
+size the formula's growth from there, never less than the formula itself.
+
+With gamma, copy and o zero and one chunk, the ring's line is Thakur's
 2(P-1)a + 2(P-1)/P n beta. A host's ranks share its CPUs as well, which a measurement
 between two of them cannot see; so a group on a single host keeps the size table measured
 there (`select.py`), and the model decides only across hosts.
@@ -37,6 +52,7 @@ there (`select.py`), and the model decides only across hosts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,6 +66,8 @@ __all__ = ["CHUNK_CHOICES", "Choice", "CostModel", "fit_link"]
 CHUNK_CHOICES = tuple(1 << e for e in range(16, 25))  # 64 KiB .. 16 MiB
 #: Algorithms the model predicts (those with a formula above).
 MODELLED = ("ring", "mesh", "naive", "tree", "direct")
+_FLOATS = ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s", "copy_s")
+_MAX_RACED = 64  # rows of measured times a model may carry
 
 
 def fit_link(
@@ -90,24 +108,48 @@ class CostModel:
     gamma_s: float
     default_chunk_bytes: int = 4 << 20
     max_chunk_bytes: int = 64 << 20
+    copy_s: float = 0.0
+    raced: tuple[tuple[str, int, float], ...] = ()  # (algorithm, bytes, seconds)
 
     def __post_init__(self) -> None:
         assert self.world_size >= 1
         assert 1 <= self.hosts <= self.world_size
         assert 1 <= self.ranks_per_host <= self.world_size
-        for name in ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s"):
+        for name in _FLOATS:
             value = getattr(self, name)
             assert math.isfinite(value), f"{name}={value!r}"
             assert value >= 0, f"{name}={value!r}"
+        for algo, nbytes, seconds in self.raced:
+            assert algo in MODELLED, algo
+            assert nbytes > 0, nbytes
+            assert math.isfinite(seconds), seconds
+            assert seconds >= 0, seconds
 
     # -- predictions --------------------------------------------------------------------------
 
     def predict(self, algorithm: str, nbytes: int, chunk_bytes: int) -> float:
-        """Predicted seconds of one all_reduce of nbytes with this algorithm and chunk."""
+        """Predicted seconds of one all_reduce of nbytes with this algorithm and chunk:
+        the measured times where the probe raced it, else the formula (module docstring)."""
+        formula = self.formula(algorithm, nbytes, chunk_bytes)
+        points = sorted((b, t) for algo, b, t in self.raced if algo == algorithm)
+        if not points or self.world_size == 1:
+            return formula
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in itertools.pairwise(points):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        last, measured = points[-1]
+        growth = formula - self.formula(algorithm, last, chunk_bytes)
+        return max(formula, measured + growth)
+
+    def formula(self, algorithm: str, nbytes: int, chunk_bytes: int) -> float:
+        """The latency-bandwidth formula's seconds (module docstring), nothing measured."""
         p, n = self.world_size, float(nbytes)
         if p == 1:
             return 0.0
         a, o, beta, gamma = self.alpha_s, self.overhead_s, self.beta_s, self.gamma_s
+        gathered = (p - 1) / p * n * self.copy_s  # received bytes copied into the result
         spread = self.beta_all_s * (self.ranks_per_host if self.hosts > 1 else 1)
         s = n / p
 
@@ -120,13 +162,13 @@ class CostModel:
 
         if algorithm == "ring":
             k, c = chunks(s)
-            return (p - 1) * (stage(s, c, gamma) + stage(s, c, 0.0) + 2 * k * o)
+            return (p - 1) * (stage(s, c, gamma) + stage(s, c, 0.0) + 2 * k * o) + gathered
         if algorithm == "mesh":
             k, c = chunks(s)
-            return 2 * (p - 1) * (s * spread + k * o) + a + c * (spread + gamma)
+            return 2 * (p - 1) * (s * spread + k * o) + a + c * (spread + gamma) + gathered
         if algorithm == "naive":
             k, c = chunks(n)
-            return 2 * (a + (p - 1) * (n * spread + k * o)) + c * gamma
+            return 2 * (a + (p - 1) * (n * spread + k * o)) + c * gamma + n * self.copy_s
         if algorithm == "tree":
             k, c = chunks(n)
             t = (p.bit_length() - 1) * (a + n * beta + c * gamma + k * o)
@@ -135,7 +177,7 @@ class CostModel:
             return t
         if algorithm == "direct":
             k, c = chunks(n)
-            return a + (p - 1) * (n * (spread + gamma) + k * o)
+            return a + (p - 1) * (n * (spread + gamma) + k * o) + n * self.copy_s
         raise ValueError(f"no cost formula for all_reduce algorithm {algorithm!r}")
 
     def chunk_choices(self) -> list[int]:
@@ -167,25 +209,41 @@ class CostModel:
 
     def to_fields(self) -> dict[str, Any]:
         """A msgpack-able dict (what rank 0 sends to the others)."""
-        return asdict(self)
+        fields = asdict(self)
+        fields["raced"] = [list(row) for row in self.raced]
+        return fields
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> CostModel:
         """The model back from `to_fields` (a peer's message: every value is checked)."""
         ints = ("world_size", "hosts", "ranks_per_host", "default_chunk_bytes", "max_chunk_bytes")
-        floats = ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s")
-        if not isinstance(fields, dict) or set(fields) != set(ints + floats):
+        if not isinstance(fields, dict) or set(fields) != {*ints, *_FLOATS, "raced"}:
             raise ProtocolError(f"not a cost model: {fields!r:.200}")
         for name in ints:
             if type(fields[name]) is not int or fields[name] < 1:
                 raise ProtocolError(f"cost model: bad {name} {fields[name]!r:.50}")
-        for name in floats:
-            value = fields[name]
-            if type(value) is not float or not math.isfinite(value) or value < 0:
-                raise ProtocolError(f"cost model: bad {name} {value!r:.50}")
+        for name in _FLOATS:
+            if not _seconds(fields[name]):
+                raise ProtocolError(f"cost model: bad {name} {fields[name]!r:.50}")
         if not fields["hosts"] <= fields["world_size"] >= fields["ranks_per_host"]:
             raise ProtocolError(f"cost model: inconsistent sizes {fields!r:.200}")
-        return cls(**fields)
+        return cls(**{**fields, "raced": cls.check_raced(fields["raced"])})
+
+    @staticmethod
+    def check_raced(rows: object) -> tuple[tuple[str, int, float], ...]:
+        """Checked (algorithm, bytes, seconds) rows from a peer's message."""
+        if not isinstance(rows, list) or len(rows) > _MAX_RACED:
+            raise ProtocolError(f"cost model: bad raced table {rows!r:.200}")
+        checked = []
+        for row in rows:
+            if not (isinstance(row, list | tuple) and len(row) == 3):
+                raise ProtocolError(f"cost model: bad raced row {row!r:.100}")
+            algo, nbytes, seconds = row
+            good = type(nbytes) is int and nbytes >= 1 and _seconds(seconds)
+            if algo not in MODELLED or not good:
+                raise ProtocolError(f"cost model: bad raced row {row!r:.100}")
+            checked.append((algo, nbytes, seconds))
+        return tuple(checked)
 
     def describe(self) -> str:
         """One line with the fitted numbers in readable units."""
@@ -194,11 +252,16 @@ class CostModel:
             f"latency {self.alpha_s * 1e6:.0f} us, "
             f"{_rate(self.beta_s)} per link ({_rate(self.beta_all_s)} sending to all), "
             f"{self.overhead_s * 1e6:.1f} us per message, "
-            f"reduce {_rate(self.gamma_s)}"
+            f"reduce {_rate(self.gamma_s)}, copy {_rate(self.copy_s)}"
+            + (f", {len(self.raced)} raced times" if self.raced else "")
         )
 
     def __repr__(self) -> str:
         return f"<CostModel {self.describe()}>"
+
+
+def _seconds(value: object) -> bool:
+    return type(value) is float and math.isfinite(value) and value >= 0
 
 
 def _rate(seconds_per_byte: float) -> str:

@@ -35,14 +35,17 @@ import asyncio
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import ProtocolError
+from .all_reduce_direct import all_reduce_direct
 from .all_reduce_mesh import all_reduce_mesh
+from .all_reduce_naive import all_reduce_naive
 from .all_reduce_ring import all_reduce_ring
+from .all_reduce_tree import all_reduce_tree
 from .arrays import NUMPY
 from .cost import CostModel
 from .group import Group, Lane, Receipt, Received, wait_receipts
@@ -60,6 +63,16 @@ _ROUNDS = 3
 _BURST = 16
 _PIECES = 8  # a shift in this many messages, for the CPU cost of a chunk
 _REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
+_SPLIT = 4  # the ring raced once more with this many chunks per segment
+#: Small sizes at which every algorithm is raced (what a hop and a message really cost).
+_SMALL_RACES = (4 << 10, 64 << 10)
+_ALGORITHMS: dict[str, Any] = {
+    "ring": all_reduce_ring,
+    "mesh": all_reduce_mesh,
+    "tree": all_reduce_tree,
+    "naive": all_reduce_naive,
+    "direct": all_reduce_direct,
+}
 
 # Steps of the probe's messages (chunk numbers count messages within a step).
 _PING, _PONG = 0, 1  # + 2 * phase
@@ -116,8 +129,11 @@ class LinkSample:
     chunk_cpu_s: float  # median CPU time per extra message of a shift cut in _PIECES
     ring_s: float  # median time of a _RACE_BYTES ring all-reduce
     mesh_s: float  # median time of a _RACE_BYTES mesh all-reduce
+    ring_split_s: float = 0.0  # the same ring with _SPLIT chunks per segment
+    #: (algorithm, bytes, median seconds) of every algorithm at each of _SMALL_RACES
+    raced: tuple[tuple[str, int, float], ...] = ()
 
-    def to_fields(self) -> dict[str, float]:
+    def to_fields(self) -> dict[str, Any]:
         return {
             "rtt": self.small_rtt_s,
             "burst": self.burst_s,
@@ -125,18 +141,25 @@ class LinkSample:
             "chunk_cpu": self.chunk_cpu_s,
             "ring": self.ring_s,
             "mesh": self.mesh_s,
+            "ring_split": self.ring_split_s,
+            "raced": [list(row) for row in self.raced],
         }
 
     @classmethod
     def from_fields(cls, fields: Any) -> LinkSample:
         """A peer's sample (checked: it arrives over the network)."""
-        keys = ("rtt", "burst", "shift", "chunk_cpu", "ring", "mesh")
-        if not isinstance(fields, dict) or set(fields) != set(keys):
+        keys = ("rtt", "burst", "shift", "chunk_cpu", "ring", "mesh", "ring_split")
+        if not isinstance(fields, dict) or set(fields) != {*keys, "raced"}:
             raise ProtocolError(f"not a link sample: {fields!r:.200}")
         values = [fields[k] for k in keys]
         if not all(type(v) is float and 0 <= v < 1e4 for v in values):
             raise ProtocolError(f"bad link sample: {fields!r:.200}")
-        return cls(*values)
+        try:
+            raced = CostModel.check_raced(fields["raced"])
+        except ProtocolError:
+            raise ProtocolError(f"bad link sample: {fields!r:.200}") from None
+        rtt, burst, shift, chunk_cpu, ring, mesh, split = values
+        return cls(rtt, burst, shift, chunk_cpu, ring, mesh, split, raced)
 
 
 def model_from_samples(
@@ -146,6 +169,7 @@ def model_from_samples(
     *,
     default_chunk_bytes: int,
     max_chunk_bytes: int,
+    copy_s: float = 0.0,
 ) -> CostModel:
     """Fit the cost model to one sample per ring link (see cost.py for the parameters).
 
@@ -173,7 +197,7 @@ def model_from_samples(
     counts: dict[str, int] = {}
     for key in host_keys:
         counts[key] = counts.get(key, 0) + 1
-    return CostModel(
+    model = CostModel(
         world_size=len(host_keys),
         hosts=len(counts),
         ranks_per_host=max(counts.values()),
@@ -184,7 +208,38 @@ def model_from_samples(
         gamma_s=max(gamma_s, 1e-12),
         default_chunk_bytes=default_chunk_bytes,
         max_chunk_bytes=max_chunk_bytes,
+        copy_s=max(copy_s, 0.0),
     )
+    split = max(s.ring_split_s for s in samples)
+    if p > 1 and ring > 0 and split > 0:
+        model = replace(model, overhead_s=max(per_message, _chunk_cost(model, ring, split)))
+    return replace(model, raced=_slowest(samples, ring, mesh))
+
+
+def _chunk_cost(model: CostModel, ring_s: float, split_s: float) -> float:
+    """The time per extra message that makes the formula's ring lose as much by _SPLIT
+    chunks per segment as the raced one did (or gain as much). Where the CPU, not the
+    link, is the limit, chunks hide nothing and each costs its wake-ups: this says so."""
+    segment = _RACE_BYTES // model.world_size
+    free = replace(model, overhead_s=0.0)
+    whole = free.formula("ring", _RACE_BYTES, segment)
+    chunked = free.formula("ring", _RACE_BYTES, -(-segment // _SPLIT))
+    extra_messages = 2 * (model.world_size - 1) * (_SPLIT - 1)
+    return max(0.0, (split_s - ring_s) - (chunked - whole)) / extra_messages
+
+
+def _slowest(
+    samples: Sequence[LinkSample], ring_s: float, mesh_s: float
+) -> tuple[tuple[str, int, float], ...]:
+    """Every raced (algorithm, bytes): the slowest rank's median (a call lasts as long)."""
+    slowest: dict[tuple[str, int], float] = {}
+    for sample in samples:
+        for algo, nbytes, seconds in sample.raced:
+            slowest[(algo, nbytes)] = max(seconds, slowest.get((algo, nbytes), 0.0))
+    if ring_s > 0 and mesh_s > 0:
+        slowest[("ring", _RACE_BYTES)] = ring_s
+        slowest[("mesh", _RACE_BYTES)] = mesh_s
+    return tuple((algo, nbytes, t) for (algo, nbytes), t in sorted(slowest.items()))
 
 
 async def measure_cost(
@@ -212,8 +267,9 @@ async def measure_cost(
         elif left % 2 == phase:
             await _pong(group, left, phase, sent)
     shift, chunk_cpu = await _shift(group, right, left, sent)
-    ring, mesh = await _race(group, sent)
-    mine = LinkSample(rtt, burst, shift, chunk_cpu, ring, mesh)
+    ring, mesh, split = await _race(group, sent)
+    raced = await _race_small(group, sent)
+    mine = LinkSample(rtt, burst, shift, chunk_cpu, ring, mesh, split, raced)
     if rank != 0:
         sent.append(await group.send(0, _SAMPLE, meta=mine.to_fields()))
         msg = await group.recv(0, _MODEL, nbytes=0)
@@ -222,7 +278,7 @@ async def measure_cost(
     samples = [mine]
     for peer in range(1, size):
         samples.append(LinkSample.from_fields((await group.recv(peer, _SAMPLE, nbytes=0)).meta))
-    model = model_from_samples(samples, host_keys, _reduce_time(), **fit)
+    model = model_from_samples(samples, host_keys, _reduce_time(), copy_s=_copy_time(), **fit)
     for peer in range(1, size):
         sent.append(await group.send(peer, _MODEL, meta=model.to_fields()))
     await wait_receipts(sent)
@@ -306,25 +362,66 @@ async def _sync(group: Group, right: int, left: int, n: int, sent: list[Receipt]
     await group.recv(left, _SYNC, n, nbytes=0)
 
 
-async def _race(group: Group, sent: list[Receipt]) -> tuple[float, float]:
+async def _race(group: Group, sent: list[Receipt]) -> tuple[float, float, float]:
     """Time the ring and the mesh on one _RACE_BYTES all-reduce each, as the algorithms
     really run (median of _ROUNDS after a warm-up): what flows to every peer at once cost
-    next to one flow to a neighbour, which no formula knows on a given network."""
-    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
-    src = np.ones(_RACE_BYTES // 4, dtype=np.float32)
-    work, dst = np.empty_like(src), np.empty_like(src)
-    whole = WithChunk(group, _RACE_BYTES)  # one chunk per segment, whatever the config
+    next to one flow to a neighbour, which no formula knows on a given network; and the
+    ring again with _SPLIT chunks per segment: what a chunk costs where it runs."""
+    segment = -(-_RACE_BYTES // group.size)
+    races = [
+        (all_reduce_ring, WithChunk(group, _RACE_BYTES)),  # one chunk per segment
+        (all_reduce_mesh, WithChunk(group, _RACE_BYTES)),
+        (all_reduce_ring, WithChunk(group, -(-segment // _SPLIT))),
+    ]
+    first_sync = 3 * (_ROUNDS + 1)  # after _shift's
     medians = []
-    for a, algorithm in enumerate((all_reduce_ring, all_reduce_mesh)):
-        times = []
-        for i in range(_ROUNDS + 1):
-            await _sync(group, right, left, 3 * (_ROUNDS + 1) + a * (_ROUNDS + 1) + i, sent)
-            start = time.perf_counter()
-            pending = await algorithm(whole, NUMPY, src, work, dst, ReduceOp.SUM)
-            times.append(time.perf_counter() - start)
-            await wait_receipts(pending)
-        medians.append(statistics.median(times[1:]))
-    return medians[0], medians[1]
+    for a, (algorithm, chunked) in enumerate(races):
+        sync = first_sync + a * (_ROUNDS + 1)
+        medians.append(await _time(group, chunked, algorithm, _RACE_BYTES, sync, sent))
+    return medians[0], medians[1], medians[2]
+
+
+async def _race_small(group: Group, sent: list[Receipt]) -> tuple[tuple[str, int, float], ...]:
+    """Every algorithm at each of _SMALL_RACES (one chunk): what their hops and messages
+    cost on this group, shaper bursts and shared cores included, which decide there."""
+    first_sync = 6 * (_ROUNDS + 1)  # after _shift's and _race's
+    rows = []
+    for s, nbytes in enumerate(_SMALL_RACES):
+        for a, (name, algorithm) in enumerate(_ALGORITHMS.items()):
+            sync = first_sync + (s * len(_ALGORITHMS) + a) * (_ROUNDS + 1)
+            whole = WithChunk(group, nbytes)
+            rows.append((name, nbytes, await _time(group, whole, algorithm, nbytes, sync, sent)))
+    return tuple(rows)
+
+
+async def _time(
+    group: Group, chunked: Group, algorithm: Any, nbytes: int, sync: int, sent: list[Receipt]
+) -> float:
+    """Median seconds of `algorithm` on nbytes (float32 sum) over _ROUNDS after a warm-up,
+    each round started by a token around the ring (sync numbers sync .. sync+_ROUNDS)."""
+    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    work, dst = np.empty_like(src), np.empty_like(src)
+    times = []
+    for i in range(_ROUNDS + 1):
+        await _sync(group, right, left, sync + i, sent)
+        start = time.perf_counter()
+        pending = await algorithm(chunked, NUMPY, src, work, dst, ReduceOp.SUM)
+        times.append(time.perf_counter() - start)
+        await wait_receipts(pending)
+    return statistics.median(times[1:])
+
+
+def _copy_time() -> float:
+    """Seconds per byte of copying one array into another (median of a few)."""
+    a = np.ones(_REDUCE_BYTES // 4, dtype=np.float32)
+    b = np.ones_like(a)
+    times = []
+    for _ in range(_ROUNDS):
+        start = time.perf_counter()
+        np.copyto(a, b)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / _REDUCE_BYTES
 
 
 def _reduce_time() -> float:

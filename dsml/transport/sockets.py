@@ -156,23 +156,43 @@ def _zero_copy_frames(
 
     pyzmq's `send_multipart(track=True)` tracks only the last frame, so each large buffer
     gets its own tracked frame and the receipt watches all of them. A whole received
-    frame passed on (the ring's all-gather forwards what arrives) goes as that frame:
+    frame passed on (the ring's all-gather forwards what arrives; its reduce-scatter
+    forwards partial sums written over what arrived) goes as that frame:
     libzmq shares its memory, and with nothing of ours in it there is nothing to track
     (and no hand-back to pyzmq's collector thread when libzmq is done with it).
     """
     parts: list[Any] = []
     tracked: list[zmq.Frame] = []
     for buf in payload:
-        owner: object = buf.obj if isinstance(buf, memoryview) else None
-        if isinstance(owner, zmq.Frame) and buf.nbytes == len(owner):
+        nbytes = memoryview(buf).nbytes
+        owner = _frame_of(buf) if nbytes >= threshold else None
+        if owner is not None and nbytes == len(owner):
             parts.append(owner)
-        elif memoryview(buf).nbytes >= threshold:
+        elif nbytes >= threshold:
             frame = zmq.Frame(buf, copy=False, track=True)
             tracked.append(frame)
             parts.append(frame)
         else:
             parts.append(buf)
     return parts, zmq.MessageTracker(*tracked) if tracked else None
+
+
+def _frame_of(buf: Any) -> zmq.Frame | None:
+    """The received frame whose memory `buf` views, if any (else None).
+
+    Follows memoryview owners and array bases, so a reduction written into a received
+    frame (`ArrayBackend.combine`) and sent on as an array's bytes is recognised too. A
+    view as long as its frame is the whole frame: views never reach outside their base.
+    """
+    owner = buf
+    for _ in range(8):  # a view of a view of ...: a few levels at most
+        if isinstance(owner, zmq.Frame):
+            return owner
+        nxt = owner.obj if isinstance(owner, memoryview) else getattr(owner, "base", None)
+        if nxt is None:
+            return None
+        owner = nxt
+    return None
 
 
 def _try_send(sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
