@@ -27,6 +27,8 @@ from .select import choose_all_reduce
 
 __all__ = ["AutoChooser", "AutoTicket", "WithChunk"]
 
+_REMEMBERED = 1024  # sizes whose choice is kept (a program uses a few)
+
 #: The current view's epoch, and the host key of each of its ranks.
 Epoch = Callable[[], int]
 Hosts = Callable[[], Sequence[str]]
@@ -43,7 +45,7 @@ class AutoTicket:
         model = await self._chooser._model_for(self._epoch, self._probes, group, self._hosts)
         if model is None:
             return group, choose_all_reduce(nbytes, group.size)
-        choice = model.choose(nbytes)
+        choice = self._chooser.choose(model, nbytes)
         self._chooser.chosen = (nbytes, choice)
         return WithChunk(group, choice.chunk_bytes), choice.algorithm
 
@@ -64,6 +66,22 @@ class AutoChooser:
         self._model: asyncio.Future[CostModel | None] | None = None
         #: the last choice made, (bytes, Choice): for `dsml bench` and logs
         self.chosen: tuple[int, Choice] | None = None
+        # choices made from the current model, by size: evaluating every algorithm at
+        # every chunk size costs more than a small all-reduce takes
+        self._choices: tuple[CostModel | None, dict[int, Choice]] = (None, {})
+
+    def choose(self, model: CostModel, nbytes: int) -> Choice:
+        """model.choose(nbytes), remembered per size for as long as the model is current."""
+        known, choices = self._choices
+        if known is not model:
+            choices = {}
+            self._choices = (model, choices)
+        choice = choices.get(nbytes)
+        if choice is None:
+            if len(choices) >= _REMEMBERED:
+                choices.clear()
+            choice = choices[nbytes] = model.choose(nbytes)
+        return choice
 
     @property
     def model(self) -> CostModel | None:
@@ -78,7 +96,7 @@ class AutoChooser:
         """What `auto` runs at this size now (the size table until a model is known)."""
         model = self.model
         if model is not None and model.world_size == world_size:
-            return model.choose(nbytes)
+            return self.choose(model, nbytes)
         algo = choose_all_reduce(nbytes, world_size)
         return Choice(algo, int(self._chunks["default_chunk_bytes"]), float("nan"))
 

@@ -48,7 +48,7 @@ from .all_reduce_ring import all_reduce_ring
 from .all_reduce_tree import all_reduce_tree
 from .arrays import NUMPY
 from .cost import CostModel
-from .group import Group, Lane, Receipt, Received, wait_receipts
+from .group import Group, Receipt, wait_receipts
 from .ops import ReduceOp
 
 __all__ = ["PROBE_FRAME_BYTES", "LinkSample", "WithChunk", "measure_cost", "model_from_samples"]
@@ -81,11 +81,17 @@ _SAMPLE, _MODEL = 7, 8  # (the raced algorithms number their own steps from 0)
 
 
 class WithChunk:
-    """`group` as a `Group` whose pipeline chunk is `chunk_bytes` (the model's choice)."""
+    """`group` as a `Group` whose pipeline chunk is `chunk_bytes` (the model's choice).
+
+    `send` and `recv` are the group's own bound methods, not wrappers: `auto` runs every
+    call through this, and a wrapper coroutine per message shows on small arrays.
+    """
 
     def __init__(self, group: Group, chunk_bytes: int) -> None:
         self._group = group
         self.chunk_bytes = chunk_bytes
+        self.send = group.send
+        self.recv = group.recv
 
     @property
     def rank(self) -> int:
@@ -94,29 +100,6 @@ class WithChunk:
     @property
     def size(self) -> int:
         return self._group.size
-
-    async def send(
-        self,
-        peer: int,
-        step: int,
-        chunk: int = 0,
-        payload: memoryview | None = None,
-        *,
-        meta: dict[str, Any] | None = None,
-        lane: Lane = Lane.DATA,
-    ) -> Receipt:
-        return await self._group.send(peer, step, chunk, payload, meta=meta, lane=lane)
-
-    async def recv(
-        self,
-        peer: int,
-        step: int,
-        chunk: int = 0,
-        *,
-        nbytes: int | None = None,
-        lane: Lane = Lane.DATA,
-    ) -> Received:
-        return await self._group.recv(peer, step, chunk, nbytes=nbytes, lane=lane)
 
 
 @dataclass(frozen=True, slots=True)
