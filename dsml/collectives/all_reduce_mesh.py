@@ -12,13 +12,18 @@ large arrays. Segments are chunked; chunk c of the own segment is reduced, in ra
 as soon as every peer's chunk c is in, and leaves at once.
 
 Each segment is reduced by one rank in rank order and copied to the others, so every rank
-holds the same bytes. `dst` is written only once every message has arrived.
+holds the same bytes. The reduction is written over a frame received for it (no copy into
+`work`, and the result leaves as that frame, with nothing to track) where frames are
+writable host memory; otherwise in `work`. `dst` is written only once every message has
+arrived.
 
 Preconditions: `src`, `work` and `dst` flat, same length and dtype; `src` is only read and
 may be the same memory as `dst`; `work` is scratch.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .arrays import Array, ArrayBackend
 from .chunking import chunk_spans, split_spans
@@ -46,22 +51,29 @@ async def all_reduce_mesh(
             from_src.append(await group.send(peer, 0, c, be.payload(src, lo, hi)))
 
     # Reduce our segment chunk by chunk, in rank order; each result leaves at once.
+    arrived: list[tuple[int, int, memoryview]] = []
+    in_work: list[tuple[int, int]] = []  # chunks of the result reduced in `work`
     for c, (lo, hi) in enumerate(chunks[rank]):
         parts = {
             q: (await group.recv(q, 0, c, nbytes=(hi - lo) * itemsize)).payload
             for q in reversed(peers)
         }
         parts[rank] = be.payload(src, lo, hi)
-        be.write(work, lo, hi, parts[0])
-        for q in range(1, size):
-            be.reduce(op, work, lo, hi, work, parts[q], data_first=False)
-        if op is ReduceOp.AVG:
-            be.scale(work, lo, hi, size)
+        result = _reduce_in_frame(be, op, parts, rank, work.dtype)
+        if result is None:  # no frame to write into: reduce in `work`
+            be.write(work, lo, hi, parts[0])
+            for q in range(1, size):
+                be.reduce(op, work, lo, hi, work, parts[q], data_first=False)
+            if op is ReduceOp.AVG:
+                be.scale(work, lo, hi, size)
+            result = be.payload(work, lo, hi)
+            in_work.append((lo, hi))
+        else:
+            arrived.append((lo, hi, result))
         for peer in peers:
-            pending.append(await group.send(peer, 1, c, be.payload(work, lo, hi)))
+            pending.append(await group.send(peer, 1, c, result))
 
     # Phase 2: every other segment arrives from its owner; keep the frames.
-    arrived: list[tuple[int, int, memoryview]] = []
     for peer in reversed(peers):
         for c, (lo, hi) in enumerate(chunks[peer]):
             msg = await group.recv(peer, 1, c, nbytes=(hi - lo) * itemsize)
@@ -69,9 +81,30 @@ async def all_reduce_mesh(
 
     # Every message is in: only now write the result.
     await wait_receipts(from_src)  # src may be dst
-    lo, hi = spans[rank]
-    if dst is not work:
+    for lo, hi in in_work if dst is not work else ():
         be.copy(dst, lo, hi, work)
     for lo, hi, payload in arrived:
         be.write(dst, lo, hi, payload)
     return pending
+
+
+def _reduce_in_frame(
+    be: ArrayBackend, op: ReduceOp, parts: dict[int, memoryview], rank: int, dtype: Any
+) -> memoryview | None:
+    """Reduce parts[0] op parts[1] op ... (rank order) into a received frame; returns its
+    bytes (sent on as that frame: no copy, nothing to track), or None where no received
+    frame can hold the result. parts[rank] is this rank's input: only ever read."""
+    if len(parts) < 2:
+        return None
+    holder = 1 if rank == 0 else 0  # the lowest-ranked peer's frame holds the result
+    acc = be.writable(parts[holder], dtype)
+    if acc is None:
+        return None
+    n = len(acc)
+    if holder == 1:  # parts[0] is our own input: acc = parts[0] op acc, in rank order
+        be.reduce(op, acc, 0, n, acc, parts[0], data_first=True)
+    for q in range(holder + 1, len(parts)):
+        be.reduce(op, acc, 0, n, acc, parts[q], data_first=False)
+    if op is ReduceOp.AVG:
+        be.scale(acc, 0, n, len(parts))
+    return parts[holder]

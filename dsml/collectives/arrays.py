@@ -104,6 +104,11 @@ class ArrayBackend:
             return _UFUNCS[op](received, local[lo:hi])
         return _UFUNCS[op](received, local[lo:hi], out=received)
 
+    def writable(self, data: memoryview, dtype: np.dtype[Any]) -> Array | None:
+        """Received bytes as a flat array that a result may be written into, or None
+        (read-only bytes; a device backend, whose results live on the device)."""
+        return None if data.readonly else np.frombuffer(data, dtype=dtype)
+
     def write(self, out: Array, lo: int, hi: int, data: memoryview) -> None:
         """out[lo:hi] = the received bytes."""
         if hi > lo:

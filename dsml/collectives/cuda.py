@@ -262,6 +262,9 @@ class CupyBackend(ArrayBackend):
     def view(self, data: memoryview, dtype: np.dtype[Any]) -> Array:
         return self._received(data, dtype)
 
+    def writable(self, data: memoryview, dtype: np.dtype[Any]) -> Array | None:
+        return None  # results live on the device, never in a received host frame
+
     def reduce(
         self,
         op: ReduceOp,
