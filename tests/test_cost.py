@@ -187,8 +187,10 @@ def sample(
     chunk_cpu: float = 0.0,
     ring: float = 0.0,
     mesh: float = 0.0,
+    ring_split: float = 0.0,
+    raced: tuple[tuple[str, int, float], ...] = (),
 ) -> LinkSample:
-    return LinkSample(rtt, burst, shift, chunk_cpu, ring, mesh)
+    return LinkSample(rtt, burst, shift, chunk_cpu, ring, mesh, ring_split, raced)
 
 
 def fit(samples: list[LinkSample], hosts: int | list[str] = 3) -> CostModel:
@@ -233,7 +235,16 @@ def test_fitting_counts_ranks_that_share_a_host() -> None:
 def test_a_malformed_link_sample_from_a_peer_is_a_protocol_error() -> None:
     good = sample(1e-4, 2e-4, 1e-3, ring=1e-2, mesh=2e-2).to_fields()
     assert LinkSample.from_fields(good) == sample(1e-4, 2e-4, 1e-3, ring=1e-2, mesh=2e-2)
-    for bad in ({**good, "rtt": -1.0}, {**good, "shift": 1}, {"rtt": 1.0}, [1.0, 2.0, 3.0]):
+    raced = {**good, "raced": [["naive", 4096, 1e-3]]}
+    assert LinkSample.from_fields(raced).raced == (("naive", 4096, 1e-3),)
+    bad_rows = {**good, "raced": [["naive", -1, 1e-3]]}
+    for bad in (
+        {**good, "rtt": -1.0},
+        {**good, "shift": 1},
+        {"rtt": 1.0},
+        [1.0, 2.0, 3.0],
+        bad_rows,
+    ):
         with pytest.raises(ProtocolError):
             LinkSample.from_fields(bad)
 
@@ -241,3 +252,93 @@ def test_a_malformed_link_sample_from_a_peer_is_a_protocol_error() -> None:
 def test_models_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         model().alpha_s = 1.0  # type: ignore[misc]
+
+
+def raced(p: int = 4, **times: dict[int, float]) -> CostModel:
+    """The default model with measured times: raced(ring={4096: 1e-3, ...}, ...)."""
+    rows = tuple((algo, n, t) for algo, by_size in times.items() for n, t in by_size.items())
+    return dataclasses.replace(model(p), raced=rows)
+
+
+def test_where_an_algorithm_was_raced_its_measured_time_is_the_prediction() -> None:
+    m = raced(naive={4 * KiB: 1e-3, 64 * KiB: 2e-3})
+    assert m.predict("naive", 4 * KiB, MiB) == pytest.approx(1e-3)
+    assert m.predict("naive", KiB, MiB) == pytest.approx(1e-3)  # below: the smallest's
+    assert m.predict("naive", 34 * KiB, MiB) == pytest.approx(1.5e-3)  # linear between
+    assert m.predict("tree", 4 * KiB, MiB) == m.formula("tree", 4 * KiB, MiB)  # not raced
+
+
+def test_above_the_largest_raced_size_the_formula_grows_from_the_measured_time() -> None:
+    m = raced(ring={MiB: 50e-3})  # far slower than the formula's ring at 1 MiB
+    n = 16 * MiB
+    growth = m.formula("ring", n, 256 * KiB) - m.formula("ring", MiB, MiB)  # raced in one
+    assert m.predict("ring", n, 256 * KiB) == pytest.approx(50e-3 + growth)
+    fast = raced(ring={MiB: 1e-6})  # faster than the formula: never below the formula
+    assert fast.predict("ring", n, MiB) == pytest.approx(fast.formula("ring", n, MiB))
+
+
+def test_auto_runs_the_fastest_raced_algorithm_at_a_raced_size() -> None:
+    # naive's formula is the worst at 64 KiB, but here it was the fastest, as it is where
+    # a shaper's burst allowance lets rank 0's traffic through at once
+    m = raced(
+        naive={64 * KiB: 1.7e-3},
+        tree={64 * KiB: 2.9e-3},
+        direct={64 * KiB: 2.6e-3},
+        mesh={64 * KiB: 3.0e-3},
+        ring={64 * KiB: 3.6e-3},
+    )
+    assert m.formula("naive", 64 * KiB, MiB) > m.formula("tree", 64 * KiB, MiB)
+    choice = m.choose(64 * KiB)
+    assert (choice.algorithm, choice.predicted_s) == ("naive", pytest.approx(1.7e-3))
+    assert choice.chunk_bytes == max(m.chunk_choices())  # raced with one chunk per stream
+
+
+def test_copying_the_gathered_result_costs_its_bytes() -> None:
+    cheap, dear = model(copy_s=0.0), model(copy_s=1e-9)
+    n = 16 * MiB
+    assert dear.predict("ring", n, MiB) - cheap.predict("ring", n, MiB) == pytest.approx(
+        3 / 4 * n * 1e-9
+    )
+    assert dear.predict("tree", n, MiB) == cheap.predict("tree", n, MiB)
+
+
+def test_a_model_with_raced_times_survives_the_trip_to_the_other_ranks() -> None:
+    m = raced(ring={4 * KiB: 1e-3, MiB: 12e-3}, naive={4 * KiB: 0.5e-3})
+    assert CostModel.from_fields(m.to_fields()) == m
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [["carrier-pigeon", 4096, 1e-3]],
+        [["ring", 0, 1e-3]],
+        [["ring", 4096, -1.0]],
+        [["ring", 4096]],
+        "ring",
+        [["ring", 4096, 1e-3]] * 65,
+    ],
+)
+def test_a_malformed_raced_table_from_a_peer_is_a_protocol_error(rows: object) -> None:
+    with pytest.raises(ProtocolError):
+        CostModel.from_fields({**model().to_fields(), "raced": rows})
+
+
+def test_a_ring_that_chunks_slowed_down_raises_the_per_message_time() -> None:
+    rtt = 200e-6
+    volume = 4 / 3 * MiB  # P=3
+    ring = 4 * 100e-6 + volume * 10e-9
+    quiet = fit([sample(rtt, rtt, 10e-9 * MiB, ring=ring, mesh=ring, ring_split=ring / 2)] * 3)
+    busy = fit([sample(rtt, rtt, 10e-9 * MiB, ring=ring, mesh=ring, ring_split=3 * ring)] * 3)
+    assert quiet.overhead_s == pytest.approx(0.0, abs=1e-9)
+    extra_messages = 2 * 2 * 3  # 2(P-1) streams, 3 more chunks each
+    assert busy.overhead_s > 2 * ring / extra_messages  # at least what the chunks lost
+    n, small, large = 16 * MiB, 64 * KiB, MiB
+    assert quiet.predict("ring", n, small) <= quiet.predict("ring", n, large)  # chunks help
+    assert busy.predict("ring", n, small) > busy.predict("ring", n, large)  # they cost
+
+
+def test_the_fit_keeps_every_raced_time_at_the_slowest_ranks_value() -> None:
+    rows_a = (("naive", 4096, 1e-3), ("tree", 4096, 2e-3))
+    rows_b = (("naive", 4096, 3e-3), ("tree", 4096, 1e-3))
+    m = fit([sample(1e-4, 2e-4, 1e-3, raced=rows_a), sample(1e-4, 2e-4, 1e-3, raced=rows_b)], 2)
+    assert set(m.raced) == {("naive", 4096, 3e-3), ("tree", 4096, 2e-3)}

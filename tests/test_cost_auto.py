@@ -154,3 +154,17 @@ async def test_frames_capped_below_the_probes_messages_keep_the_size_table() -> 
                 assert c.cost_model is None
         finally:
             await asyncio.gather(*(c.aclose() for c in comms))
+
+
+def test_choices_from_a_model_are_remembered_per_size_until_the_model_changes() -> None:
+    from dsml.collectives.cost import CostModel
+    from dsml.collectives.cost_auto import AutoChooser
+
+    chooser = AutoChooser(
+        lambda: 1, lambda: ["a", "b"], default_chunk_bytes=MiB, max_chunk_bytes=MiB
+    )
+    first = CostModel(2, 2, 1, 1e-4, 8e-9, 8e-9, 1e-5, 1e-10, raced=(("naive", 4096, 1e-4),))
+    second = CostModel(2, 2, 1, 1e-4, 8e-9, 8e-9, 1e-5, 1e-10, raced=(("tree", 4096, 1e-5),))
+    assert chooser.choose(first, 4096) is chooser.choose(first, 4096)
+    assert chooser.choose(first, 4096) == first.choose(4096)
+    assert chooser.choose(second, 4096) == second.choose(4096) != first.choose(4096)

@@ -42,7 +42,8 @@ The formulas miss what a given machine adds per message and per hop (wake-ups, a
 burst allowance, cores shared between "hosts"), which decides small arrays. So where the
 probe raced an algorithm, the prediction is the measured time: interpolated linearly
 between raced sizes (the smallest raced time below them), and above the largest raced
-size the formula's growth from there, never less than the formula itself.
+size the formula's growth from there (from the raced size in one chunk per stream, as
+raced, to this size in chunks of c), never less than the formula itself.
 
 With gamma, copy and o zero and one chunk, the ring's line is Thakur's
 2(P-1)a + 2(P-1)/P n beta. A host's ranks share its CPUs as well, which a measurement
@@ -139,8 +140,8 @@ class CostModel:
         for (b0, t0), (b1, t1) in itertools.pairwise(points):
             if nbytes <= b1:
                 return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-        last, measured = points[-1]
-        growth = formula - self.formula(algorithm, last, chunk_bytes)
+        last, measured = points[-1]  # raced with one chunk per stream: chunk = its size
+        growth = formula - self.formula(algorithm, last, last)
         return max(formula, measured + growth)
 
     def formula(self, algorithm: str, nbytes: int, chunk_bytes: int) -> float:

@@ -70,7 +70,8 @@ _REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
 _SPLIT = 4  # the ring raced once more with this many chunks per segment
 #: Sizes at which every algorithm is raced (what hops, messages and bytes really cost);
 #: at _RACE_BYTES the ring and the mesh were raced already.
-_RACED_SIZES = (4 << 10, 64 << 10, _RACE_BYTES)
+_RACED_SIZES = (4 << 10, 64 << 10, 256 << 10, _RACE_BYTES)
+_SMALL_ROUNDS = 7  # timed rounds below _RACE_BYTES: cheap there, and noisier
 _ALGORITHMS: dict[str, Any] = {
     "ring": all_reduce_ring,
     "mesh": all_reduce_mesh,
@@ -374,28 +375,36 @@ async def _race_all(group: Group, sent: list[Receipt]) -> tuple[tuple[str, int, 
     messages and bytes cost on this group, shaper bursts and shared cores included, which
     no formula knows (on cores shared by several "hosts", a rank doing more than its share
     of the work, as naive's rank 0 does, costs less than the formula says)."""
-    first_sync = 6 * (_ROUNDS + 1)  # after _shift's and _race's
+    sync = 6 * (_ROUNDS + 1)  # after _shift's and _race's
     rows = []
-    for s, nbytes in enumerate(_RACED_SIZES):
-        for a, (name, algorithm) in enumerate(_ALGORITHMS.items()):
+    for nbytes in _RACED_SIZES:
+        rounds = _ROUNDS if nbytes >= _RACE_BYTES else _SMALL_ROUNDS
+        for name, algorithm in _ALGORITHMS.items():
             if nbytes == _RACE_BYTES and name in ("ring", "mesh"):
                 continue  # raced by _race
-            sync = first_sync + (s * len(_ALGORITHMS) + a) * (_ROUNDS + 1)
             whole = WithChunk(group, nbytes)
-            rows.append((name, nbytes, await _time(group, whole, algorithm, nbytes, sync, sent)))
+            seconds = await _time(group, whole, algorithm, nbytes, sync, sent, rounds)
+            rows.append((name, nbytes, seconds))
+            sync += rounds + 1
     return tuple(rows)
 
 
 async def _time(
-    group: Group, chunked: Group, algorithm: Any, nbytes: int, sync: int, sent: list[Receipt]
+    group: Group,
+    chunked: Group,
+    algorithm: Any,
+    nbytes: int,
+    sync: int,
+    sent: list[Receipt],
+    rounds: int = _ROUNDS,
 ) -> float:
-    """Median seconds of `algorithm` on nbytes (float32 sum) over _ROUNDS after a warm-up,
-    each round started by a token around the ring (sync numbers sync .. sync+_ROUNDS)."""
+    """Median seconds of `algorithm` on nbytes (float32 sum) over `rounds` after a warm-up,
+    each round started by a token around the ring (sync numbers sync .. sync+rounds)."""
     right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
     src = np.ones(nbytes // 4, dtype=np.float32)
     work, dst = np.empty_like(src), np.empty_like(src)
     times = []
-    for i in range(_ROUNDS + 1):
+    for i in range(rounds + 1):
         await _sync(group, right, left, sync + i, sent)
         start = time.perf_counter()
         pending = await algorithm(chunked, NUMPY, src, work, dst, ReduceOp.SUM)
