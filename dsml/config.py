@@ -79,7 +79,7 @@ class CommConfig:
     gpu_reduce: str = "host"
     engine_trace: bool = False
     curve: Any = None
-    shm: bool = False
+    shm: bool = True
     shm_stage_bytes: int = 8 * _MiB
     shm_max_bytes: int = 1024 * _MiB
 
