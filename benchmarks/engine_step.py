@@ -2,7 +2,7 @@
 
     python benchmarks/engine_step.py            # runs 2 and 4 workers, prints a table
     dsml run -n 4 benchmarks/engine_step.py --worker
-    sudo python benchmarks/engine_step.py --hosts 4 --rate 1gbit --batch 1024
+    sudo python benchmarks/engine_step.py --hosts 4 --rate 1gbit --batch 512 --repeat 3
                                                 # 4 namespaced hosts on 1 Gbit links
 
 An MLP's backward pass in numpy, layer by layer (last layer first). The sequential step
@@ -10,12 +10,17 @@ computes every gradient, then all-reduces them one after another. The engine ste
 each layer's backward computation into `comm.engine` (numpy runs on the engine's thread
 pool) and pushes the layer's gradient all_reduce (`comm.push_all_reduce`) as soon as that
 gradient exists, so communication of layer L overlaps the computation of layer L-1.
-Both compute the same numbers (checked). With `--hosts`, one rank runs on each of that
-many network-namespace hosts (dsml.testing.netns, links shaped with tbf to `--rate`): there
-the link, not the CPU, is the bottleneck, so compute can hide behind communication (pick
-`--batch` so that the backward pass takes about as long as the gradients' all_reduce).
-The two variants alternate step by step; the
-reported time of a step is the slowest rank's; the median over steps is printed.
+Both compute the same numbers (checked: `same grads`). With `--hosts`, one rank runs on
+each of that many network-namespace hosts (dsml.testing.netns, links shaped with tbf to
+`--rate`), `--repeat` groups one after another, one row each.
+
+Two more variants time the parts alone: `compute` (forward and backward, no
+communication) and `comm` (the all_reduces alone). All four alternate step by step; a
+step's time is the slowest rank's, and the median over steps is printed. `cpu ms` is the
+CPU time of `compute` plus `comm`, summed over the ranks' processes. `ceiling` is the best
+speedup any overlap could give here: the engine step cannot be shorter than `comm`, nor
+than that CPU time spread over the machine's CPUs (the namespaced hosts share them; kernel
+network work outside the processes is not counted, so the real ceiling is lower still).
 Benchmarks are not tests: nothing is asserted about time.
 """
 
@@ -25,6 +30,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import time
 from typing import Any
 
@@ -108,18 +114,58 @@ async def engine_step(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list
     return [g.data for g in grads]
 
 
+async def compute_only(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """The step's computation alone: forward and backward, no communication."""
+    acts = net.forward(x)
+    delta: np.ndarray | None = net.output_delta(acts, y)
+    grads: list[np.ndarray] = [np.empty(0)] * len(net.weights)
+    for i in reversed(range(len(net.weights))):
+        assert delta is not None
+        grads[i], delta = net.layer_backward(i, acts, delta)
+    return grads
+
+
+async def communicate_only(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """The step's all_reduces alone, on arrays shaped like the gradients."""
+    grads = [np.ones_like(w) for w in net.weights]
+    for grad in reversed(grads):
+        await comm.all_reduce(grad, "avg")
+    return grads
+
+
+VARIANTS = {
+    "sequential": sequential_step,
+    "engine": engine_step,
+    "compute": compute_only,
+    "communicate": communicate_only,
+}
+
+
 async def timed(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray, steps: int) -> dict[str, float]:
-    """Median step time of each variant; the variants alternate, so noise hits both."""
-    variants = {"sequential": sequential_step, "engine": engine_step}
-    times = np.empty((len(variants), steps))
+    """Per variant, the median step time (slowest rank) and CPU seconds (all ranks' processes
+    together); the variants alternate step by step, so noise hits them all alike."""
+    times = np.empty((len(VARIANTS), steps))
+    cpu = np.empty((len(VARIANTS), steps))
     for k in range(steps):
-        for v, step in enumerate(variants.values()):
+        for v, step in enumerate(VARIANTS.values()):
             await comm.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             await step(comm, net, x, y)
             times[v, k] = time.perf_counter() - start
+            cpu[v, k] = time.process_time() - start_cpu
     await comm.all_reduce(times, "max")
-    return {name: float(np.median(times[v])) for v, name in enumerate(variants)}
+    await comm.all_reduce(cpu, "sum")
+    medians = {name: float(np.median(times[v])) for v, name in enumerate(VARIANTS)}
+    return medians | {f"{name}_cpu": float(np.median(cpu[v])) for v, name in enumerate(VARIANTS)}
+
+
+def ceiling(row: dict[str, Any], cores: int) -> float:
+    """The best speedup overlap could give when every rank shares `cores` CPUs: the engine
+    step takes at least as long as the communication alone, and at least as long as the
+    CPU time of computing and communicating spread over the cores (a lower bound: kernel
+    network work done outside the ranks' processes is not counted)."""
+    busy = (row["compute_cpu"] + row["communicate_cpu"]) / cores
+    return float(row["sequential"] / max(row["communicate"], busy))
 
 
 async def worker(steps: int, widths: list[int], batch: int) -> None:
@@ -152,8 +198,25 @@ async def worker(steps: int, widths: list[int], batch: int) -> None:
             )
 
 
+HEADER = (
+    f"# {'ranks':>5} {'sequential ms':>13} {'engine ms':>9} {'speedup':>7} {'compute ms':>10} "
+    f"{'comm ms':>7} {'cpu ms':>7} {'ceiling':>7}  same grads"
+)
+
+
+def row_line(ranks: int, row: dict[str, Any], cores: int) -> str:
+    """One table row; `cpu ms`: CPU time of computing plus communicating (all ranks)."""
+    cpu = row["compute_cpu"] + row["communicate_cpu"]
+    return (
+        f"  {ranks:>5} {row['sequential'] * 1e3:>13.1f} {row['engine'] * 1e3:>9.1f} "
+        f"{row['speedup']:>6.2f}x {row['compute'] * 1e3:>10.1f} {row['communicate'] * 1e3:>7.1f} "
+        f"{cpu * 1e3:>7.1f} {ceiling(row, cores):>6.2f}x  {row['same_gradients']}"
+    )
+
+
 def on_hosts(args: argparse.Namespace) -> None:
-    """One rank per namespaced host (see benchmarks/multihost.py), one table row."""
+    """One rank per namespaced host (see benchmarks/multihost.py), a row per repeat."""
+    import statistics
     import sys
 
     from multihost import dsml_group
@@ -162,16 +225,21 @@ def on_hosts(args: argparse.Namespace) -> None:
 
     argv = [sys.executable, __file__, "--worker", "--steps", str(args.steps)]
     argv += ["--widths", args.widths, "--batch", str(args.batch)]
-    with netns_hosts(args.hosts, rate=args.rate) as hosts:
-        row = json.loads(tagged_lines(dsml_group(hosts, argv), "ENGINE_STEP")[0])
+    cores = os.cpu_count() or 1
     print(
         f"# MLP {args.widths}, batch {args.batch} per rank, float32, {args.hosts} hosts at "
-        f"{args.rate}; median step (slowest rank)"
+        f"{args.rate} sharing {cores} CPUs; median step (slowest rank) of {args.steps}"
     )
-    print(f"# {'hosts':>7} {'sequential ms':>14} {'engine ms':>10} {'speedup':>8}  same grads")
+    print(HEADER)
+    speedups = []
+    with netns_hosts(args.hosts, rate=args.rate) as hosts:
+        for _ in range(args.repeat):
+            row = json.loads(tagged_lines(dsml_group(hosts, argv), "ENGINE_STEP")[0])
+            speedups.append(row["speedup"])
+            print(row_line(args.hosts, row, cores), flush=True)
     print(
-        f"  {args.hosts:>7} {row['sequential'] * 1e3:>14.1f} {row['engine'] * 1e3:>10.1f} "
-        f"{row['speedup']:>7.2f}x  {row['same_gradients']}"
+        f"# speedup: median {statistics.median(speedups):.2f}x over {len(speedups)} runs "
+        f"(spread {min(speedups):.2f}x-{max(speedups):.2f}x)"
     )
 
 
@@ -184,6 +252,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=BATCH, help="samples per rank")
     parser.add_argument("--hosts", type=int, default=0, help="run on this many netns hosts")
     parser.add_argument("--rate", default="1gbit", help="with --hosts: link rate")
+    parser.add_argument("--repeat", type=int, default=3, help="with --hosts: runs of the group")
     args = parser.parse_args()
     widths = [int(v) for v in args.widths.split(",")]
     if args.worker:
@@ -192,27 +261,14 @@ def main() -> None:
     if args.hosts:
         on_hosts(args)
         return
+    cores = os.cpu_count() or 1
     print(f"# MLP {widths}, batch {args.batch} per rank, float32; median step (slowest rank)")
-    print(f"# {'workers':>7} {'sequential ms':>14} {'engine ms':>10} {'speedup':>8}  same grads")
+    print(HEADER)
     for n in (int(v) for v in args.sizes.split(",")):
-        out = dsml(
-            "run",
-            "-n",
-            str(n),
-            __file__,
-            "--worker",
-            "--steps",
-            str(args.steps),
-            "--widths",
-            args.widths,
-            "--batch",
-            str(args.batch),
-        )
+        argv = ["run", "-n", str(n), __file__, "--worker", "--steps", str(args.steps)]
+        out = dsml(*argv, "--widths", args.widths, "--batch", str(args.batch))
         row = json.loads(tagged_lines(out, "ENGINE_STEP")[0])
-        print(
-            f"  {n:>7} {row['sequential'] * 1e3:>14.1f} {row['engine'] * 1e3:>10.1f} "
-            f"{row['speedup']:>7.2f}x  {row['same_gradients']}"
-        )
+        print(row_line(n, row, cores), flush=True)
 
 
 if __name__ == "__main__":
