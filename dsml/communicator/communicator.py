@@ -137,8 +137,8 @@ class Communicator:
         counters = self._links.counters
         return {
             "epoch": self._links.epoch,
-            "started": list(started) if started is not None else None,
-            "finished": list(finished) if finished is not None else None,
+            "started": _described(started),
+            "finished": _described(finished),
             "counters": {
                 "held": self._links.held_now,
                 "held_total": counters["held"],
@@ -624,6 +624,11 @@ class Communicator:
             f"<Communicator rank={self.rank}/{self.world_size} epoch={self.epoch} "
             f"address={self.address} in_flight={len(self._table.calls)}{state}>"
         )
+
+
+def _described(mark: tuple[int, int, Fingerprint] | None) -> list[Any] | None:
+    """A call table's (epoch, cid, fingerprint) as a heartbeat reports it."""
+    return None if mark is None else [mark[0], mark[1], mark[2].describe()]
 
 
 def host_keys(view: View | None) -> list[str]:
