@@ -24,7 +24,7 @@ import collections
 import contextvars
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ..collectives import DTYPES
@@ -69,36 +69,48 @@ class CallRecord:
     wire_s: float = 0.0
     reduce_s: float = 0.0
     copy_s: float = 0.0
-    heard: set[int] = field(default_factory=set)  # peers a message already came from
+    #: peers a message already came from (made on the first receive)
+    heard: set[int] | None = None
     #: per category (WAITING, WIRE): waits open now and since when. The tasks of one call
     #: may wait at once (a rooted collective confirms beside its data): overlapping waits
-    #: of a category count once.
-    _open: list[int] = field(default_factory=lambda: [0, 0])
-    _since: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: of a category count once. Plain fields, so that a call's record costs little.
+    _open_waiting: int = 0
+    _open_wire: int = 0
+    _since_waiting: float = 0.0
+    _since_wire: float = 0.0
 
     def enter(self, category: int) -> int:
         """Start a wait of `category` (WAITING or WIRE); pass the result to `leave`."""
-        if self._open[category] == 0:
-            self._since[category] = time.perf_counter()
-        self._open[category] += 1
+        if category == WAITING:
+            if self._open_waiting == 0:
+                self._since_waiting = time.perf_counter()
+            self._open_waiting += 1
+        else:
+            if self._open_wire == 0:
+                self._since_wire = time.perf_counter()
+            self._open_wire += 1
         return category
 
     def enter_receive(self, peer: int) -> int:
         """Start a receive from `peer`: waiting for the peer until its first message came,
         then (later messages of the call) for the wire."""
-        if peer in self.heard:
+        if self.heard is None:
+            self.heard = {peer}
+        elif peer in self.heard:
             return self.enter(WIRE)
-        self.heard.add(peer)
+        else:
+            self.heard.add(peer)
         return self.enter(WAITING)
 
     def leave(self, category: int) -> None:
-        self._open[category] -= 1
-        if self._open[category] == 0:
-            elapsed = time.perf_counter() - self._since[category]
-            if category == WAITING:
-                self.waiting_s += elapsed
-            else:
-                self.wire_s += elapsed
+        if category == WAITING:
+            self._open_waiting -= 1
+            if self._open_waiting == 0:
+                self.waiting_s += time.perf_counter() - self._since_waiting
+        else:
+            self._open_wire -= 1
+            if self._open_wire == 0:
+                self.wire_s += time.perf_counter() - self._since_wire
 
     @property
     def total_s(self) -> float:
@@ -206,7 +218,9 @@ class TimedBackend:
         self.inner = inner
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        value = getattr(self.inner, name)
+        setattr(self, name, value)  # found in the instance from now on (backends stay put)
+        return value
 
     def copy_flat(self, x: Array, out: Array) -> None:
         start = time.perf_counter()
@@ -258,8 +272,17 @@ class TimedBackend:
         return f"<TimedBackend {self.inner!r}>"
 
 
+#: the timed twin of each backend seen (a few: numpy, one per GPU), made once
+_TIMED: dict[int, tuple[ArrayBackend, ArrayBackend]] = {}
+
+
 def timed(be: ArrayBackend) -> ArrayBackend:
     """`be`, timing its reductions and copies into the running call's record."""
     if isinstance(be, TimedBackend):
         return be
-    return cast(ArrayBackend, TimedBackend(be))
+    known = _TIMED.get(id(be))
+    if known is not None and known[0] is be:
+        return known[1]
+    twin = cast(ArrayBackend, TimedBackend(be))
+    _TIMED[id(be)] = (be, twin)  # keeps be alive, so its id is not reused
+    return twin
