@@ -341,9 +341,12 @@ class Communicator:
     def _start(self, request: Request) -> CollectiveHandle[Any]:
         """Start a collective on the communicator's loop: queued behind collectives pushed
         into the engine if some wait to be issued, else at once (`Runner.collective`)."""
-        caller = self._placement.caller_stream(request.x)  # per thread: read it in this one
-        if caller is not None:
-            request = dataclasses.replace(request, caller=caller)
+        if type(request.x) is not np.ndarray:  # numpy needs no stream
+            caller = self._placement.caller_stream(request.x)  # per thread: read it here
+            if caller is not None:
+                request = dataclasses.replace(request, caller=caller)
+        if self._runner.on_own_loop():  # the usual case: no hop to the loop to make
+            return self._issue(request)
         return self._runner.on_loop(functools.partial(self._issue, request))
 
     def _issue(self, request: Request) -> CollectiveHandle[Any]:

@@ -90,6 +90,16 @@ class Runner:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(budget)
 
+    def on_own_loop(self) -> bool:
+        """Whether a call made now runs at once: this communicator is usable and the caller
+        runs on its loop (else `on_loop` hands the call over, or says what is wrong)."""
+        if self.closed or self.broken is not None:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
     def on_loop(self, start: Callable[[], T]) -> T:
         """Run start() on the communicator's loop, also when called from another thread.
 
