@@ -199,13 +199,19 @@ def profiler_span(kind: str) -> Any:
     return span
 
 
-def _add(kind: str, start: float) -> None:
+_now = time.perf_counter
+
+
+def _add_copy(start: float) -> None:
     record = current.get()
     if record is not None:
-        if kind == "reduce":
-            record.reduce_s += time.perf_counter() - start
-        else:
-            record.copy_s += time.perf_counter() - start
+        record.copy_s += _now() - start
+
+
+def _add_reduce(start: float) -> None:
+    record = current.get()
+    if record is not None:
+        record.reduce_s += _now() - start
 
 
 class TimedBackend:
@@ -223,24 +229,24 @@ class TimedBackend:
         return value
 
     def copy_flat(self, x: Array, out: Array) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.copy_flat(x, out)
-        _add("copy", start)
+        _add_copy(start)
 
     def copy_out(self, flat: Array, x: Array) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.copy_out(flat, x)
-        _add("copy", start)
+        _add_copy(start)
 
     def write(self, out: Array, lo: int, hi: int, data: memoryview) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.write(out, lo, hi, data)
-        _add("copy", start)
+        _add_copy(start)
 
     def copy(self, out: Array, lo: int, hi: int, src: Array) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.copy(out, lo, hi, src)
-        _add("copy", start)
+        _add_copy(start)
 
     def reduce(
         self,
@@ -253,20 +259,20 @@ class TimedBackend:
         *,
         data_first: bool,
     ) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.reduce(op, out, lo, hi, local, data, data_first=data_first)
-        _add("reduce", start)
+        _add_reduce(start)
 
     def combine(self, op: ReduceOp, local: Array, lo: int, hi: int, data: memoryview) -> Array:
-        start = time.perf_counter()
+        start = _now()
         result = self.inner.combine(op, local, lo, hi, data)
-        _add("reduce", start)
+        _add_reduce(start)
         return result
 
     def scale(self, out: Array, lo: int, hi: int, world_size: int) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.scale(out, lo, hi, world_size)
-        _add("reduce", start)
+        _add_reduce(start)
 
     def __repr__(self) -> str:
         return f"<TimedBackend {self.inner!r}>"
