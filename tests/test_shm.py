@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.collectives.all_reduce_shm import PIECE_BYTES, all_reduce_shm, piece_plan
+from dsml.collectives.all_reduce_shm import BUFFER_BYTES, PIECE_BYTES, all_reduce_shm, piece_plan
 from dsml.collectives.ops import ReduceOp
 from dsml.collectives.shm_plane import HostMember, SameHost
 from dsml.testing import open_local_cluster
@@ -184,6 +184,7 @@ def test_large_pieces_cover_every_slice_and_two_buffers_fit_the_staging_budget(
         assert staged <= max(stage_bytes, (size - 1) * itemsize)  # one element at least
         if pieces > 1:
             assert slot * itemsize <= PIECE_BYTES
+            assert (size - 1) * slot * itemsize <= BUFFER_BYTES
 
 
 def _loop_until_killed(tag: str, rank: int, inbox: Any, started: Any) -> None:
