@@ -21,8 +21,11 @@ Nothing here imports torch or JAX; arrays of every kind the async API takes are 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
@@ -89,6 +92,7 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -125,11 +129,13 @@ class LoopThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Stop the loop (tasks still running are cancelled) and join the thread."""
+        _live.discard(self)
         if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
 
     def __repr__(self) -> str:
         return f"<LoopThread {self._thread.name} {'running' if self.alive else 'stopped'}>"
@@ -137,6 +143,26 @@ class LoopThread:
 
 async def _outcome(awaitable: Awaitable[T]) -> T:
     return await awaitable
+
+
+#: loop threads not stopped yet: stopped at interpreter exit (see `_stop_at_exit`)
+_live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
+_EXIT_JOIN_S = 5.0
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the loop threads a program left running (it exited without closing them).
+
+    A daemon thread still running when the interpreter finalizes is killed the moment it
+    next takes the GIL (`pthread_exit`); if that happens inside C++ (a torch future
+    completed from the loop, say), the unwinding aborts the whole process with
+    "terminate called without an active exception" (SIGABRT), e.g. a DDP script that
+    returns after a peer was lost without `destroy_process_group()`. Stopping the loops
+    here, while the interpreter is whole, ends their tasks (cancelled, as on `stop`) first.
+    """
+    for thread in list(_live):
+        thread.stop(_EXIT_JOIN_S)
 
 
 class BlockingCommunicator:

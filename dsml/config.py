@@ -58,8 +58,7 @@ class CommConfig:
             its peer links and its registry connection are encrypted and authenticated.
             Worker daemons started with `--curve-keys` set it for their jobs.
         shm: members on the same host exchange data through shared memory (/dev/shm);
-            off by default in this release (`DSML_SHM=1` or `shm=True` turns it on; see
-            docs/shm.md for why).
+            on by default (`DSML_SHM=0` or `shm=False` turns it off; docs/shm.md).
         shm_stage_bytes: how much of one rank's input is in shared memory at once
             (larger arrays go through in pieces).
         shm_max_bytes: the most /dev/shm one rank's data segment may take; a collective
@@ -79,7 +78,7 @@ class CommConfig:
     gpu_reduce: str = "host"
     engine_trace: bool = False
     curve: Any = None
-    shm: bool = False
+    shm: bool = True
     shm_stage_bytes: int = 8 * _MiB
     shm_max_bytes: int = 1024 * _MiB
 

@@ -171,13 +171,16 @@ def test_bench_prints_json_rows_with_consistent_bandwidths():
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * 1 / 2)
 
 
-def test_bench_table_has_a_header_and_one_row_per_measurement():
-    result = dsml_cmd("bench", "-n", "2", "--sizes", "4K", "--iters", "2")
+@pytest.mark.parametrize(("shm", "chosen"), [("1", "shm"), ("0", "tree")])
+def test_bench_table_has_a_header_and_one_row_per_measurement_naming_what_auto_chose(shm, chosen):
+    """Two ranks of one host: auto runs in shared memory (the default), or, with
+    DSML_SHM=0, the cost model's choice for 4 KiB over TCP (the tree)."""
+    result = dsml_cmd("bench", "-n", "2", "--sizes", "4K", "--iters", "2", env={"DSML_SHM": shm})
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[0].startswith("# dsml bench: world_size=2")
     assert "busbw(GB/s)" in lines[1]
-    assert lines[2].split()[:2] == ["4096", "auto(tree)"]
+    assert lines[2].split()[:2] == ["4096", f"auto({chosen})"]
 
 
 def test_status_exits_1_when_no_registry_answers():

@@ -104,8 +104,8 @@ async def test_remote_error_names_rank_and_traceback_and_daemons_go_on():
         with pytest.raises(dsml.RemoteError) as info:
             await client.run(_fail_in_collective)
         assert time.monotonic() - started < 10
-        assert info.value.rank == 2  # the root cause, not the ranks it stranded
-        assert info.value.error_type == "KeyError"
+        assert info.value.rank == 2, info.value  # the root cause, not the ranks it stranded
+        assert info.value.error_type == "KeyError", info.value
 
         pids = [w.pid for w in cluster.workers]
         results = await client.run(lambda comm: os.getpid())

@@ -126,13 +126,15 @@ def test_quickstart_notebook_runs_collectives_and_plots_bus_bandwidth(monkeypatc
     # the bench table: every algorithm, auto naming its choice; iters, p10 <= p50 <= p90
     number = r"([\d.]+)"
     rows = re.findall(
-        rf"^\s+\d+\s+(auto\(\w+\)|ring|tree|naive|direct|mesh)\s+\d+"
+        rf"^\s+\d+\s+(auto\(\w+\)|shm|ring|tree|naive|direct|mesh)\s+\d+"
         rf"\s+{number}\s+{number}\s+{number}\s+[\d.]+\s+{number}\s*$",
         text,
         re.M,
     )
     shown = {algorithm.split("(")[0] for algorithm, *_ in rows}
-    assert shown == {"auto", "ring", "tree", "naive", "direct", "mesh"}, text
+    assert shown == {"auto", "shm", "ring", "tree", "naive", "direct", "mesh"}, text
+    # the whole group is on one host, so auto runs shared memory at every size (as the text says)
+    assert all(name == "auto(shm)" for name, *_ in rows if name.startswith("auto")), text
     for _, p10, p50, p90, _busbw in rows:  # busbw prints as 0.000 for 4 KiB on a busy machine
         assert 0 < float(p10) <= float(p50) <= float(p90)
     assert figures(notebook) >= 1
@@ -147,7 +149,7 @@ def test_data_parallel_mnist_notebook_reaches_90_percent_on_real_mnist(monkeypat
     assert float(accuracy[1]) >= 90.0
     for workers in (1, 2, 4):
         assert re.search(rf"^{workers} workers?:\s+[\d.]+ s per epoch", text, re.M), text
-    for algorithm in ("auto", "ring", "tree", "naive", "direct", "mesh"):
+    for algorithm in ("auto", "shm", "ring", "tree", "naive", "direct", "mesh"):
         assert re.search(rf"^\s*{algorithm}: [\d.]+ ms of all_reduce per step", text, re.M), text
     assert "the course report: naive 83 ms, ring 8 ms per step" in text
     assert figures(notebook) >= 2

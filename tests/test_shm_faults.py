@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multiprocess
 def test_kill_9_in_a_shared_memory_all_reduce_fails_every_survivor_then_they_go_on_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("DSML_SHM", "1")  # opt-in in this release; the workers inherit it
+    monkeypatch.setenv("DSML_SHM", "1")  # on whatever the environment says; workers inherit it
     with cluster(tmp_path) as run:
         run.start_registry()
         run.start_workers("--algorithm", "shm", "--mib", "4")

@@ -112,6 +112,8 @@ class SameHost:
         self._link: ShmLink | None = None
         self._warned = False
         self.calls = 0  # calls run in shared memory (tests and diagnosis)
+        #: fault injection (dsml.testing): members whose data link is cut, by member id
+        self.cut: Callable[[str], bool] | None = None
 
     def set_view(self, epoch: int, members: Sequence[HostMember], me: int) -> None:
         """Adopt a view (members in rank order, `me` this rank); drops the old link and
@@ -172,6 +174,7 @@ class SameHost:
         ends raising the result of `unless` once it is done (the call failed);
         `on_wait(phase, seconds)` hears how long each sync waited."""
         link = await self._connected(unless)
+        link.cut = self.cut
         self.calls += 1
         if link.in_process:
             # Ranks of one process (dsml.testing): let the others start their calls (and

@@ -61,6 +61,9 @@ class PeerLinks:
         self.crashed = False  # dsml.testing.crash: as if the process had died
         #: wraps each new peer channel (dsml.testing injects faults with it)
         self.wrap_channel: Callable[[str, Channel], Channel] | None = None
+        #: whether the data link to a peer (by member id) is cut (dsml.testing injects
+        #: partitions with it); the same-host shared-memory path honours it as well
+        self.cut: Callable[[str], bool] | None = None
         #: called with a peer's member id when its connection dropped without a goodbye
         self.on_peer_lost: Callable[[str], None] | None = None
         #: whether a peer said goodbye (a dropped connection then is no loss)

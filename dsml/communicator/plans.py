@@ -39,6 +39,7 @@ from ..collectives.cost_auto import AutoChooser
 from ..collectives.group import Group, wait_receipts
 from ..errors import ConfigError
 from ..wire import Fingerprint
+from . import stats
 from .call import Call
 from .stats import timed
 
@@ -258,6 +259,7 @@ class Planner:
                     in_shm and shm is not None and await shm.all_reduce(call, src, src, reduce_op)
                 )
             if done:
+                stats.ran("hierarchical" if hier else "shm")
                 if copy is not None:
                     be.copy_out(copy, x)
                 self._release(be, copy)
@@ -265,6 +267,7 @@ class Planner:
             work = self.pool(be).acquire(x.size, src.dtype)
             dst = src if copy is None else work  # x itself when contiguous: no final copy
             tcp = "ring" if run in SHM_ALGORITHMS else run
+            stats.ran(tcp)
             pending = await ALL_REDUCE[tcp](group, be, src, work, dst, reduce_op)
             if dst is work:
                 be.copy_out(work, x)

@@ -163,6 +163,7 @@ class ShmHook:
             return _mismatch(call, peer, theirs)
 
         await self._wait_turn(call)
+        self.plane.cut = self._table.links.cut  # fault injection (dsml.testing), else None
         try:
             return await self.plane.run(
                 call.cid, record, algorithm, check, call.failed, _count_wait

@@ -41,6 +41,7 @@ __all__ = [
     "TimedBackend",
     "current",
     "profiler_span",
+    "ran",
     "timed",
 ]
 
@@ -51,6 +52,14 @@ WAITING, WIRE = 0, 1  # the categories of blocked time
 current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar(
     "dsml_call_record", default=None
 )
+
+
+def ran(algorithm: str) -> None:
+    """Record which algorithm the running collective really ran (what `auto` chose, or
+    the ring when an asked-for shared-memory algorithm could not run)."""
+    record = current.get()
+    if record is not None:
+        record.algorithm = algorithm
 
 
 @dataclass(slots=True)

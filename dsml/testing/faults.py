@@ -5,6 +5,13 @@ drop some, delay some, cut it off from some members (a partition), or crash the 
 rank after k messages (as if its process were killed: no goodbye, sockets closed).
 Only the data plane is wrapped: heartbeats and the registry channel are untouched, so a
 partitioned rank is alive to the registry and its peers see timeouts, not losses.
+
+The same-host shared-memory path is part of the data plane, so a cut reaches it too: a
+rank cut off from a member (`partition`, or `drop=1.0`: cut off from everyone) never sees
+that member's progress in shared memory, and waits as it would for dropped messages,
+until the call times out or the view changes. That is what a real partition looks like
+from either side. Random drops (`drop < 1`) and delays act on TCP messages only: shared
+memory neither loses nor reorders writes, so there is nothing faithful to inject there.
 """
 
 from __future__ import annotations
@@ -68,6 +75,10 @@ class Faults:
             return "delay"
         return "send"
 
+    def cuts(self, member_id: str) -> bool:
+        """Whether this rank's data link to member_id is cut (no message gets through)."""
+        return self.crashed or self.drop >= 1.0 or member_id in self.partition
+
     def delay_s(self) -> float:
         return self._rng.uniform(0.0, self.max_delay_s)
 
@@ -124,6 +135,7 @@ def inject(comm: Communicator, faults: Faults) -> Faults:
         return FaultyChannel(member_id, inner, faults)  # type: ignore[return-value]
 
     links.wrap_channel = wrap
+    links.cut = faults.cuts
     links.rewrap()
     return faults
 

@@ -64,7 +64,7 @@ MAX_LOCAL = (HEADER_BYTES - 1280) // 8
 MIN_DATA_BYTES = 256 << 10
 PURE_SPIN_S = 50e-6  # a peer this close behind is worth keeping the CPU for
 BACKSTOP_S = 2e-3  # longest sleep without a look at the peers' counters
-GIVE_UP_GRACE_S = 0.25  # after a peer gave a call up: time for its abort to arrive
+GIVE_UP_GRACE_S = 0.25  # a peer gave a call up and no call failure to watch: then fail
 
 
 def _cpus() -> int:
@@ -133,6 +133,8 @@ class ShmLink:
         self._slot = 0
         self._cid = 0
         self.closed = False
+        #: fault injection (dsml.testing): a cut peer's (member id) progress never shows
+        self.cut: Callable[[str], bool] | None = None
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -344,12 +346,19 @@ class ShmLink:
     async def _peer_gave_up(
         self, rank: int, cid: int, record: bytes | None, check: Check | None, unless: Unless
     ) -> None:
-        """A peer failed this call: raise its reason if we can tell it, else wait briefly
-        for its abort over TCP (which fails this call with the real reason)."""
+        """A peer failed this call: raise its reason if we can tell it, else wait for the
+        call's failure to arrive (`unless`), which carries the real reason.
+
+        The wait has no grace period of its own: a peer that gives a call up either tells
+        us over TCP (an abort, a goodbye) or is lost (a crash: its connection drops and
+        the group's view changes), and the call's deadline bounds both. A shorter grace
+        would turn a crashed peer into a `CollectiveAbortedError` on the survivors that
+        noticed first, instead of the `PeerLostError` everyone else gets.
+        """
         if record is not None:  # a mismatch, seen here too
             self._check_records(cid, record, check, present_only=True)
         if unless is not None:
-            await asyncio.wait([unless], timeout=GIVE_UP_GRACE_S)
+            await asyncio.wait([unless])
             _raise_if_done(unless)
         else:
             await asyncio.sleep(GIVE_UP_GRACE_S)
@@ -395,6 +404,8 @@ class ShmLink:
         when the host has fewer CPUs than local ranks), then sleep until a peer wakes us;
         raise the result of `unless` once it is done (the call failed)."""
         pending = [r for r in range(self.size) if r != self.me]
+        if self.cut is not None:
+            ready = self._uncut(ready, self.cut)
         start = time.perf_counter()
         while True:
             _raise_if_done(unless)
@@ -419,6 +430,13 @@ class ShmLink:
                 _raise_if_done(unless)
         finally:
             mine[W_SLEEPING] = 0
+
+    def _uncut(
+        self, ready: Callable[[int], bool], cut: Callable[[str], bool]
+    ) -> Callable[[int], bool]:
+        """`ready`, blind to peers whose link is cut (a partition: as if their writes to
+        this host's memory never arrived; see dsml.testing.faults)."""
+        return lambda rank: not cut(self.peers[rank].member) and ready(rank)
 
     def _left(self, rank: int, cid: int) -> bool:
         """Whether rank is done with call cid (finished, gave up, or moved on)."""

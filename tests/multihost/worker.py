@@ -1,6 +1,7 @@
 """One rank on a namespaced host: `dsml.init()` with no arguments, exact all_reduces.
 
     python tests/multihost/worker.py [--calls N] [--until-lost [--after-lost K]] [--mib M]
+                                     [--algorithm NAME]
 
 Whatever launched it (`dsml run`, MASTER_*/RANK/WORLD_SIZE, SLURM_*, DSML_*) must have
 set the variables; this script passes nothing to `dsml.init()`. Each call reduces
@@ -9,7 +10,8 @@ checks the result against `arange(n) * P(P+1)/2`. Prints one JSON line per event
 
   joined {rank, size, host, address, pid, env}   address: this rank's advertised endpoint;
                                              env: the launcher's rank variables
-  ok     {i, rank, size, exact}                rank and size of the view the call ran in
+  ok     {i, rank, size, exact, ran}           rank and size of the view the call ran in;
+                                             ran: the algorithm comm.stats() recorded
   lost   {i, error, lost, t}                 --until-lost: a PeerLostError ended call i
                                              (lost: its ranks; t: time.time() then); with
                                              --after-lost K, K more calls follow
@@ -65,7 +67,7 @@ async def main(args: argparse.Namespace) -> int:
                     return 0
             x = np.arange(args.n, dtype=np.float64) * (rank + 1)
             try:
-                await comm.all_reduce(x)
+                await comm.all_reduce(x, algorithm=args.algorithm)
             except dsml.PeerLostError as exc:
                 emit("lost", i=i, error=str(exc), lost=list(exc.lost), t=time.time())
                 if not args.after_lost:
@@ -77,7 +79,8 @@ async def main(args: argparse.Namespace) -> int:
                 return 1
             expected = np.arange(args.n, dtype=np.float64) * (size * (size + 1) // 2)
             exact = bool(np.array_equal(x, expected))
-            emit("ok", i=i, rank=rank, size=size, exact=exact)
+            ran = comm.stats()[-1]["algorithm"]
+            emit("ok", i=i, rank=rank, size=size, exact=exact, ran=ran)
         emit("done", i=i)
     return 0
 
@@ -88,6 +91,7 @@ if __name__ == "__main__":
     parser.add_argument("--until-lost", action="store_true")
     parser.add_argument("--after-lost", type=int, default=0, help="calls to make after a loss")
     parser.add_argument("--mib", type=float, default=1.0, help="array size in MiB (float64)")
+    parser.add_argument("--algorithm", default="auto", help="all_reduce algorithm")
     arguments = parser.parse_args()
     arguments.n = max(1, int(arguments.mib * (1 << 20)) // 8)
     sys.exit(asyncio.run(main(arguments)))
