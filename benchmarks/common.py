@@ -16,10 +16,20 @@ def dsml(*args: str, env: dict[str, str] | None = None) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, env=environment).stdout
 
 
-def bench_rows(world_size: int, sizes: str, algorithms: str) -> list[dict[str, Any]]:
-    """The rows `dsml bench --json` prints."""
+def bench_rows(
+    world_size: int, sizes: str, algorithms: str, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The rows `dsml bench --json` prints (`env`: extra environment variables)."""
     out = dsml(
-        "bench", "-n", str(world_size), "--sizes", sizes, "--algorithm", algorithms, "--json"
+        "bench",
+        "-n",
+        str(world_size),
+        "--sizes",
+        sizes,
+        "--algorithm",
+        algorithms,
+        "--json",
+        env=env,
     )
     return json.loads(out[out.index("[") :])  # type: ignore[no-any-return]
 

@@ -4,6 +4,7 @@
     dsml run -n 4 benchmarks/engine_step.py --worker
     sudo python benchmarks/engine_step.py --hosts 4 --rate 1gbit --batch 512 --repeat 3
                                                 # 4 namespaced hosts on 1 Gbit links
+    sudo python benchmarks/engine_step.py --hosts 4 --rate 1gbit --batch 512 --compute device
 
 An MLP's backward pass in numpy, layer by layer (last layer first). The sequential step
 computes every gradient, then all-reduces them one after another. The engine step pushes
@@ -21,6 +22,15 @@ CPU time of `compute` plus `comm`, summed over the ranks' processes. `ceiling` i
 speedup any overlap could give here: the engine step cannot be shorter than `comm`, nor
 than that CPU time spread over the machine's CPUs (the namespaced hosts share them; kernel
 network work outside the processes is not counted, so the real ceiling is lower still).
+
+`--compute device` stands for a step whose computation runs on an accelerator, where the
+host's CPU only waits for the kernels: each rank first measures its numpy forward and
+per-layer backward (median of 5, the slowest rank's taken by all), then every step waits
+that long per layer (`time.sleep`, no CPU used) and returns the gradients computed once
+up front; the numbers are the same as with `--compute numpy`. On the namespaced hosts,
+which share this machine's few CPUs, numpy compute leaves no idle CPU for communication
+to use, so it measures the engine's scheduling but cannot show overlap; `device` shows
+how much of the communication the engine hides when the CPU is free during compute.
 Benchmarks are not tests: nothing is asserted about time.
 """
 
@@ -71,6 +81,58 @@ class MLP:
         back = delta @ self.weights[i].T
         back *= acts[i] > 0
         return grad, back
+
+
+class DeviceMLP(MLP):
+    """The same net and numbers, its computation standing for kernels on an accelerator:
+    each call waits the measured time of the numpy computation without using the CPU, then
+    returns (copies of) results computed once up front for this rank's batch."""
+
+    def __init__(self, net: MLP, x: np.ndarray, y: np.ndarray, times: np.ndarray) -> None:
+        self.weights = net.weights
+        self._acts = net.forward(x)
+        self._delta = net.output_delta(self._acts, y)
+        self._backward: list[tuple[np.ndarray, np.ndarray | None]] = []
+        delta: np.ndarray | None = self._delta
+        for i in reversed(range(len(net.weights))):
+            assert delta is not None
+            grad, back = net.layer_backward(i, self._acts, delta)
+            self._backward.append((grad, back))
+            delta = back
+        self._backward.reverse()
+        self._forward_s, self._backward_s = float(times[0]), [float(t) for t in times[1:]]
+
+    def forward(self, x: np.ndarray) -> list[np.ndarray]:
+        time.sleep(self._forward_s)
+        return self._acts
+
+    def output_delta(self, acts: list[np.ndarray], target: np.ndarray) -> np.ndarray:
+        return self._delta
+
+    def layer_backward(
+        self, i: int, acts: list[np.ndarray], delta: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        time.sleep(self._backward_s[i])
+        grad, back = self._backward[i]
+        return grad.copy(), back
+
+
+def compute_times(net: MLP, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[forward, backward of layer 0, 1, ...] in seconds on this rank: median of 5."""
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        acts = net.forward(x)
+        row = [time.perf_counter() - start]
+        delta: np.ndarray | None = net.output_delta(acts, y)
+        backward = [0.0] * len(net.weights)
+        for i in reversed(range(len(net.weights))):
+            assert delta is not None
+            start = time.perf_counter()
+            _, delta = net.layer_backward(i, acts, delta)
+            backward[i] = time.perf_counter() - start
+        samples.append(row + backward)
+    return np.median(np.array(samples), axis=0)
 
 
 async def sequential_step(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
@@ -168,7 +230,7 @@ def ceiling(row: dict[str, Any], cores: int) -> float:
     return float(row["sequential"] / max(row["communicate"], busy))
 
 
-async def worker(steps: int, widths: list[int], batch: int) -> None:
+async def worker(steps: int, widths: list[int], batch: int, compute: str) -> None:
     import dsml
 
     async with dsml.init() as comm:
@@ -176,6 +238,10 @@ async def worker(steps: int, widths: list[int], batch: int) -> None:
         rng = np.random.default_rng(1 + comm.rank)
         x = rng.standard_normal((batch, widths[0])).astype(np.float32)
         y = rng.standard_normal((batch, widths[-1])).astype(np.float32)
+        if compute == "device":
+            times = compute_times(net, x, y)
+            await comm.all_reduce(times, "max")  # every rank waits as long as the slowest
+            net = DeviceMLP(net, x, y, times)
         a = await sequential_step(comm, net, x, y)
         b = await engine_step(comm, net, x, y)
         same = all(np.array_equal(p, q) for p, q in zip(a, b, strict=True))
@@ -188,6 +254,7 @@ async def worker(steps: int, widths: list[int], batch: int) -> None:
                 + json.dumps(
                     {
                         "world_size": comm.world_size,
+                        "compute": compute,
                         "same_gradients": same,
                         "gradient_bytes": grad_bytes,
                         **results,
@@ -224,11 +291,12 @@ def on_hosts(args: argparse.Namespace) -> None:
     from dsml.testing.netns import netns_hosts
 
     argv = [sys.executable, __file__, "--worker", "--steps", str(args.steps)]
-    argv += ["--widths", args.widths, "--batch", str(args.batch)]
+    argv += ["--widths", args.widths, "--batch", str(args.batch), "--compute", args.compute]
     cores = os.cpu_count() or 1
     print(
-        f"# MLP {args.widths}, batch {args.batch} per rank, float32, {args.hosts} hosts at "
-        f"{args.rate} sharing {cores} CPUs; median step (slowest rank) of {args.steps}"
+        f"# MLP {args.widths}, batch {args.batch} per rank, float32, {args.compute} compute, "
+        f"{args.hosts} hosts at {args.rate} sharing {cores} CPUs; median step (slowest rank) "
+        f"of {args.steps}"
     )
     print(HEADER)
     speedups = []
@@ -253,20 +321,31 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=0, help="run on this many netns hosts")
     parser.add_argument("--rate", default="1gbit", help="with --hosts: link rate")
     parser.add_argument("--repeat", type=int, default=3, help="with --hosts: runs of the group")
+    parser.add_argument(
+        "--compute",
+        choices=("numpy", "device"),
+        default="numpy",
+        help="numpy on the CPU, or device: wait as long without using the CPU (see above)",
+    )
     args = parser.parse_args()
     widths = [int(v) for v in args.widths.split(",")]
     if args.worker:
-        asyncio.run(worker(args.steps, widths, args.batch))
+        asyncio.run(worker(args.steps, widths, args.batch, args.compute))
         return
     if args.hosts:
         on_hosts(args)
         return
     cores = os.cpu_count() or 1
-    print(f"# MLP {widths}, batch {args.batch} per rank, float32; median step (slowest rank)")
+    print(
+        f"# MLP {widths}, batch {args.batch} per rank, float32, {args.compute} compute; "
+        "median step (slowest rank)"
+    )
     print(HEADER)
     for n in (int(v) for v in args.sizes.split(",")):
         argv = ["run", "-n", str(n), __file__, "--worker", "--steps", str(args.steps)]
-        out = dsml(*argv, "--widths", args.widths, "--batch", str(args.batch))
+        out = dsml(
+            *argv, "--widths", args.widths, "--batch", str(args.batch), "--compute", args.compute
+        )
         row = json.loads(tagged_lines(out, "ENGINE_STEP")[0])
         print(row_line(n, row, cores), flush=True)
 

@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py -n 4 --sizes 4K,64K,1M,16M,64M --repeat 5
     python benchmarks/peers.py -n 4 --algorithms shm,auto --sides dsml,mpi
+    python benchmarks/peers.py -n 2 --sizes 16M --sides dsml,base,mpi --baseline /work/main
 
 Every repeat runs each side once, in turn (dsml, Gloo, MPICH, dsml, Gloo, ...), so a noisy
 minute on a shared machine hurts all of them. Inside a run, each size is timed the same way
@@ -27,7 +28,7 @@ import numpy as np
 from common import bench_rows, dsml, tagged_lines
 
 HERE = Path(__file__).resolve().parent
-SIDES = ("dsml", "gloo", "mpi")
+SIDES = ("dsml", "gloo", "mpi")  # also "base", with --baseline
 
 
 def iterations(nbytes: int) -> int:
@@ -93,9 +94,18 @@ def gloo_rows(n: int, sizes: list[int]) -> list[dict[str, Any]]:
     return [{**r, "algorithm": "gloo"} for r in rows]
 
 
-def dsml_rows(n: int, sizes: list[int], algorithms: str) -> list[dict[str, Any]]:
-    rows = bench_rows(n, _csv(sizes), algorithms)
-    return [{**r, "algorithm": f"dsml:{r['algorithm']}"} for r in rows]
+def dsml_rows(
+    n: int, sizes: list[int], algorithms: str, checkout: str | None = None
+) -> list[dict[str, Any]]:
+    """dsml's rows; with `checkout`, of the dsml in that directory (named `base:...`)."""
+    env = None
+    name = "dsml"
+    if checkout is not None:
+        path = os.environ.get("PYTHONPATH", "")
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (checkout, path) if p)}
+        name = "base"
+    rows = bench_rows(n, _csv(sizes), algorithms, env=env)
+    return [{**r, "algorithm": f"{name}:{r['algorithm']}"} for r in rows]
 
 
 def _csv(sizes: list[int]) -> str:
@@ -133,7 +143,7 @@ def table(n: int, repeats: int, stats: dict[tuple[int, str], tuple[float, ...]])
         for name in names:
             med, p10, p90 = stats[(nbytes, name)]
             vs = ["", ""]
-            if name.startswith("dsml"):
+            if name.startswith(("dsml", "base")):
                 vs = [f"{peer[0] / med:.2f}x" if peer else "-" for peer in (gloo, mpich)]
             lines.append(
                 f"  {nbytes:>10} {name:>16} {med * 1e6:>10.1f} {p10 * 1e6:>10.1f} "
@@ -147,7 +157,8 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=4)
     parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     parser.add_argument("--algorithms", default="auto", help="dsml algorithms (comma list)")
-    parser.add_argument("--sides", default=",".join(SIDES), help="which of dsml,gloo,mpi")
+    parser.add_argument("--sides", default=",".join(SIDES), help="which of dsml,gloo,mpi,base")
+    parser.add_argument("--baseline", help="a dsml checkout for the `base` side (A/B)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--mpi-worker", help=argparse.SUPPRESS)
@@ -157,11 +168,15 @@ def main() -> None:
         return
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     sides = args.sides.split(",")
+    if "base" in sides and not args.baseline:
+        parser.error("the base side needs --baseline DIR (another dsml checkout)")
     runs: list[list[dict[str, Any]]] = []
     for i in range(args.repeat):
         for side in sides:
             if side == "dsml":
                 runs.append(dsml_rows(args.n, sizes, args.algorithms))
+            elif side == "base":
+                runs.append(dsml_rows(args.n, sizes, args.algorithms, args.baseline))
             elif side == "gloo":
                 runs.append(gloo_rows(args.n, sizes))
             elif side == "mpi":

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.collectives.all_reduce_shm import all_reduce_shm
+from dsml.collectives.all_reduce_shm import BUFFER_BYTES, PIECE_BYTES, all_reduce_shm, piece_plan
 from dsml.collectives.ops import ReduceOp
 from dsml.collectives.shm_plane import HostMember, SameHost
 from dsml.testing import open_local_cluster
@@ -168,6 +168,23 @@ def test_all_reduce_shm_between_processes_is_exact_small_large_and_in_pieces(
     for _rank, cid, _done, raw in got:
         by_call.setdefault(cid, set()).add(raw)
     assert all(len(v) == 1 for v in by_call.values()), "ranks ended with different bits"
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 7])
+@pytest.mark.parametrize("itemsize", [1, 4, 8])
+@pytest.mark.parametrize("stage_bytes", [4096, 64 << 10, 8 << 20])
+def test_large_pieces_cover_every_slice_and_two_buffers_fit_the_staging_budget(
+    size: int, itemsize: int, stage_bytes: int
+) -> None:
+    for longest in [1, 1000, 65_537, 2_000_001]:
+        slot, pieces = piece_plan(longest, size, itemsize, stage_bytes)
+        assert slot * pieces >= longest > slot * (pieces - 1)  # covers, none empty
+        buffers = 2 if pieces > 1 else 1
+        staged = buffers * (size - 1) * slot * itemsize
+        assert staged <= max(stage_bytes, (size - 1) * itemsize)  # one element at least
+        if pieces > 1:
+            assert slot * itemsize <= PIECE_BYTES
+            assert (size - 1) * slot * itemsize <= BUFFER_BYTES
 
 
 def _loop_until_killed(tag: str, rank: int, inbox: Any, started: Any) -> None:

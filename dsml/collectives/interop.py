@@ -108,6 +108,8 @@ def native_arrays(
     ) -> Callable[Concatenate[S, Any, P], H]:
         @functools.wraps(method)
         def call(self: S, x: Any = None, /, *args: P.args, **kwargs: P.kwargs) -> H:
+            if type(x) is np.ndarray:  # the common case, on every call: nothing to convert
+                return method(self, x, *args, **kwargs)
             if x is None and "x" in kwargs:  # all_reduce(x=...)
                 x = kwargs.pop("x")
             return with_native(x, writes, lambda array: method(self, array, *args, **kwargs))

@@ -60,6 +60,7 @@ class Call:
         self.failure: BaseException | None = None
         #: resolved with the first failure: what every wait of the call watches
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self.over = False  # set once the call's body has ended: no deadline applies any more
         self._rank = table.rank
         self._size = table.size
         self._chunk_bytes = table.config.chunk_bytes

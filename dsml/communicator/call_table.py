@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..membership import View
 from ..transport import Mailbox
-from ..wire import Envelope, Fields, Kind
+from ..wire import Envelope, Fields, Fingerprint, Kind
 from .call import Call
 from .diagnose import abort_body, error_from_abort, goodbye_message, mismatch_message
 from .links import Inbound, PeerLinks
@@ -59,8 +59,10 @@ class CallTable:
         #: peers whose goodbye came over their link: no message of theirs follows it
         self.said_goodbye: set[int] = set()
         self.left_with_error: dict[int, str] = {}
-        self.started: tuple[int, int, str] | None = None  # (epoch, cid, what): heartbeats
-        self.finished: tuple[int, int, str] | None = None  # ... report these two
+        #: (epoch, cid, fingerprint) of the last call started and finished: heartbeats
+        #: report them (described there, not on every call)
+        self.started: tuple[int, int, Fingerprint] | None = None
+        self.finished: tuple[int, int, Fingerprint] | None = None
         self._aborts: dict[int, Envelope] = {}  # aborts of calls not made here yet
         #: told when a peer said goodbye: (its rank, its last collective, calls failed)
         self.on_peer_left: Callable[[int, int, int], None] = lambda _rank, _last, _failed: None
@@ -115,7 +117,7 @@ class CallTable:
     def register(self, call: Call) -> None:
         """Make a new call known; an abort that arrived before it was made applies now."""
         self.calls[(call.epoch, call.cid)] = call
-        self.started = (call.epoch, call.cid, call.fingerprint.describe())
+        self.started = (call.epoch, call.cid, call.fingerprint)
         abort = self._aborts.pop(call.cid, None)
         if abort is not None:
             call.fail(error_from_abort(abort, call.fingerprint, self.rank, late=True))
@@ -139,7 +141,7 @@ class CallTable:
     def finish(self, call: Call) -> None:
         """Forget a call: later messages for it are dropped as late."""
         self.calls.pop((call.epoch, call.cid), None)
-        self.finished = (call.epoch, call.cid, call.fingerprint.describe())
+        self.finished = (call.epoch, call.cid, call.fingerprint)
         self.counters["late"] += self.mailbox.discard((call.epoch, call.cid))
 
     def add_receive(self, receive: Call) -> None:

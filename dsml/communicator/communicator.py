@@ -137,8 +137,8 @@ class Communicator:
         counters = self._links.counters
         return {
             "epoch": self._links.epoch,
-            "started": list(started) if started is not None else None,
-            "finished": list(finished) if finished is not None else None,
+            "started": _described(started),
+            "finished": _described(finished),
             "counters": {
                 "held": self._links.held_now,
                 "held_total": counters["held"],
@@ -341,9 +341,12 @@ class Communicator:
     def _start(self, request: Request) -> CollectiveHandle[Any]:
         """Start a collective on the communicator's loop: queued behind collectives pushed
         into the engine if some wait to be issued, else at once (`Runner.collective`)."""
-        caller = self._placement.caller_stream(request.x)  # per thread: read it in this one
-        if caller is not None:
-            request = dataclasses.replace(request, caller=caller)
+        if type(request.x) is not np.ndarray:  # numpy needs no stream
+            caller = self._placement.caller_stream(request.x)  # per thread: read it here
+            if caller is not None:
+                request = dataclasses.replace(request, caller=caller)
+        if self._runner.on_own_loop():  # the usual case: no hop to the loop to make
+            return self._issue(request)
         return self._runner.on_loop(functools.partial(self._issue, request))
 
     def _issue(self, request: Request) -> CollectiveHandle[Any]:
@@ -624,6 +627,11 @@ class Communicator:
             f"<Communicator rank={self.rank}/{self.world_size} epoch={self.epoch} "
             f"address={self.address} in_flight={len(self._table.calls)}{state}>"
         )
+
+
+def _described(mark: tuple[int, int, Fingerprint] | None) -> list[Any] | None:
+    """A call table's (epoch, cid, fingerprint) as a heartbeat reports it."""
+    return None if mark is None else [mark[0], mark[1], mark[2].describe()]
 
 
 def host_keys(view: View | None) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..collectives import (
     ALL_REDUCE,
@@ -50,8 +50,10 @@ if TYPE_CHECKING:
 __all__ = ["ROOTED", "SHM_ALGORITHMS", "Plan", "Planner", "Request", "loose_fingerprint"]
 
 SHM_ALGORITHMS = ("shm", "hierarchical")
+_MEMO_SIZE = 256  # remembered argument checks and fingerprints per communicator
 
 Array = Any
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,23 @@ class Planner:
         self._placement = placement
         self._auto = auto  # what `auto` runs across hosts (None: the size table)
         self._shm = shm  # the same-host shared-memory plane (shm_hook.py)
+        #: what the checks of repeated arguments gave (a training loop repeats a few)
+        self._memo: dict[Any, Any] = {}
+
+    def _memo_get(self, key: Any, make: Callable[[], T]) -> T:
+        """make(), remembered under `key`: for pure checks and fingerprints, whose result
+        depends on the key alone. An unhashable key (an odd op) is simply not kept."""
+        try:
+            return self._memo[key]  # type: ignore[no-any-return]
+        except KeyError:
+            pass
+        except TypeError:
+            return make()
+        value = make()  # raises for invalid arguments: errors are not kept
+        if len(self._memo) >= _MEMO_SIZE:
+            self._memo.clear()
+        self._memo[key] = value
+        return value
 
     def pool(self, be: ArrayBackend) -> BufferPool:
         if be.name not in self._pools:
@@ -146,13 +165,13 @@ class Planner:
 
     # -- argument checks --------------------------------------------------------------------
 
-    @staticmethod
     def _array(
-        x: object, what: str = "x", *, writable: bool = False
+        self, x: object, what: str = "x", *, writable: bool = False
     ) -> tuple[Array, ArrayBackend, str]:
         """(x as a plain array sharing its memory, its backend, its dtype's wire name)."""
         be = timed(backend_of(x, what))  # reductions and copies count in comm.stats()
-        name = dtype_name(x.dtype)  # type: ignore[attr-defined]
+        dtype = x.dtype  # type: ignore[attr-defined]
+        name: str = self._memo_get(("dtype", dtype), lambda: dtype_name(dtype))
         if writable and not getattr(x.flags, "writeable", True):  # type: ignore[attr-defined]
             raise ConfigError(f"{what} is read-only, but this collective writes its result into it")
         return be.plain(x), be, name
@@ -217,8 +236,11 @@ class Planner:
 
     def _all_reduce(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x, writable=True)
-        reduce_op = check_op(request.op, dtype)
-        asked = check_algorithm(request.algorithm)
+        op, algorithm = request.op, request.algorithm
+        reduce_op, asked = self._memo_get(
+            ("all_reduce", dtype, type(op), op, type(algorithm), algorithm),
+            lambda: (check_op(op, dtype), check_algorithm(algorithm)),
+        )
         # Shared memory when the whole group is on this host (the same answer on every
         # rank: it depends on the view only); "shm" asked for elsewhere runs the ring.
         shm = self._shm
@@ -233,14 +255,18 @@ class Planner:
             ticket = self._auto.ticket()
         if ticket is None:
             algo = self.choose_algorithm(algo, x.nbytes, size)
-        fp = Fingerprint(
-            "all_reduce",
-            dtype=dtype,
-            count=x.size,
-            shape=x.shape,
-            op=reduce_op.value,
-            algorithm=algo,
-            chunk_bytes=None if ticket is not None else self._chunk,
+        chunk = None if ticket is not None else self._chunk
+        fp = self._memo_get(
+            ("fingerprint", dtype, x.shape, reduce_op, algo, chunk),
+            lambda: Fingerprint(
+                "all_reduce",
+                dtype=dtype,
+                count=x.size,
+                shape=x.shape,
+                op=reduce_op.value,
+                algorithm=algo,
+                chunk_bytes=chunk,
+            ),
         )
 
         async def body(call: Call) -> Array:

@@ -13,6 +13,7 @@ The runner is the only writer of the call table.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextvars
 import functools
@@ -80,6 +81,7 @@ class Runner:
         self._waiting: set[asyncio.Task[Any]] = set()  # ... and their tasks
         self._admission = asyncio.Lock()
         self.stats = CallStats()  # the recent calls and where their time went
+        self._deadlines = Deadlines(loop, float(config.timeout))
 
     def budget(self, timeout: float | None) -> float:
         """A call's timeout in seconds (the configured default when None)."""
@@ -87,6 +89,16 @@ class Runner:
         if not isinstance(budget, int | float) or not math.isfinite(budget) or budget <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(budget)
+
+    def on_own_loop(self) -> bool:
+        """Whether a call made now runs at once: this communicator is usable and the caller
+        runs on its loop (else `on_loop` hands the call over, or says what is wrong)."""
+        if self.closed or self.broken is not None:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
     def on_loop(self, start: Callable[[], T]) -> T:
         """Run start() on the communicator's loop, also when called from another thread.
@@ -235,7 +247,11 @@ class Runner:
                 log.debug(record.describe(), extra={"rank": self._table.rank, "epoch": call.epoch})
 
     async def _run_call(self, call: Call, plan: Plan) -> Any:
-        deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
+        deadline = None
+        if call.timeout == self._deadlines.timeout:
+            self._deadlines.add(call)  # the usual budget: one timer for all such calls
+        else:
+            deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
         try:
             error = call.failure or self._table.check_start(call)
             if error is not None:
@@ -249,7 +265,9 @@ class Runner:
                 self._table.abort(call, "failed", f"rank {self._table.rank} failed: {exc}")
             raise
         finally:
-            deadline.cancel()
+            call.over = True  # its deadline no longer applies
+            if deadline is not None:
+                deadline.cancel()
 
     async def _timed_out(self, call: Call) -> CollectiveTimeoutError:
         progress = await self._table.probe(call)
@@ -269,6 +287,7 @@ class Runner:
 
     def _finished(self, call: Call, task: asyncio.Task[Any]) -> None:
         self._table.finish(call)
+        self._deadlines.forget_over()
         rank = self._table.rank
         if task.cancelled() and call.failure is None:  # the user cancelled
             message = f"rank {rank} cancelled the call"
@@ -343,6 +362,7 @@ class Runner:
         """Refuse new calls and cancel every call in flight (the peers are told): closing
         the communicator gives them up, as the user's cancel would."""
         self.closed = True
+        self._deadlines.close()
         tasks = [c.task for c in self._table.calls.values() if c.task is not None]
         tasks += [r.task for r in self._table.receives if r.task is not None]
         tasks += list(self._waiting)
@@ -354,3 +374,52 @@ class Runner:
     def __repr__(self) -> str:
         state = " closed" if self.closed else " broken" if self.broken else ""
         return f"<Runner deferred={self._deferred} tasks={len(self._tasks)}{state}>"
+
+
+class Deadlines:
+    """The deadlines of calls that have the default budget, kept with one timer.
+
+    Such calls start in order with the same budget, so their deadlines come in the order
+    they were added: a queue, whose head is the next deadline, replaces a timer per call
+    (made and cancelled on every call). Calls are dropped from the head once over.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.timeout = timeout
+        self._loop = loop
+        self._calls: collections.deque[tuple[float, Call]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, call: Call) -> None:
+        """Fail `call` with `DeadlinePassed` once `timeout` has passed, unless it is over."""
+        when = self._loop.time() + self.timeout
+        self._calls.append((when, call))
+        if self._timer is None:
+            self._timer = self._loop.call_at(when, self._expire)
+
+    def forget_over(self) -> None:
+        """Drop the calls at the head that are over (called as calls finish)."""
+        calls = self._calls
+        while calls and calls[0][1].over:
+            calls.popleft()
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.forget_over()
+        now = self._loop.time()
+        while self._calls:
+            when, call = self._calls[0]
+            if when > now:
+                self._timer = self._loop.call_at(when, self._expire)
+                return
+            self._calls.popleft()
+            if not call.over:
+                call.fail(DeadlinePassed())
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def __repr__(self) -> str:
+        return f"<Deadlines {len(self._calls)} calls, {self.timeout:g} s each>"

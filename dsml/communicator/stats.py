@@ -24,7 +24,7 @@ import collections
 import contextvars
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ..collectives import DTYPES
@@ -78,36 +78,48 @@ class CallRecord:
     wire_s: float = 0.0
     reduce_s: float = 0.0
     copy_s: float = 0.0
-    heard: set[int] = field(default_factory=set)  # peers a message already came from
+    #: peers a message already came from (made on the first receive)
+    heard: set[int] | None = None
     #: per category (WAITING, WIRE): waits open now and since when. The tasks of one call
     #: may wait at once (a rooted collective confirms beside its data): overlapping waits
-    #: of a category count once.
-    _open: list[int] = field(default_factory=lambda: [0, 0])
-    _since: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: of a category count once. Plain fields, so that a call's record costs little.
+    _open_waiting: int = 0
+    _open_wire: int = 0
+    _since_waiting: float = 0.0
+    _since_wire: float = 0.0
 
     def enter(self, category: int) -> int:
         """Start a wait of `category` (WAITING or WIRE); pass the result to `leave`."""
-        if self._open[category] == 0:
-            self._since[category] = time.perf_counter()
-        self._open[category] += 1
+        if category == WAITING:
+            if self._open_waiting == 0:
+                self._since_waiting = time.perf_counter()
+            self._open_waiting += 1
+        else:
+            if self._open_wire == 0:
+                self._since_wire = time.perf_counter()
+            self._open_wire += 1
         return category
 
     def enter_receive(self, peer: int) -> int:
         """Start a receive from `peer`: waiting for the peer until its first message came,
         then (later messages of the call) for the wire."""
-        if peer in self.heard:
+        if self.heard is None:
+            self.heard = {peer}
+        elif peer in self.heard:
             return self.enter(WIRE)
-        self.heard.add(peer)
+        else:
+            self.heard.add(peer)
         return self.enter(WAITING)
 
     def leave(self, category: int) -> None:
-        self._open[category] -= 1
-        if self._open[category] == 0:
-            elapsed = time.perf_counter() - self._since[category]
-            if category == WAITING:
-                self.waiting_s += elapsed
-            else:
-                self.wire_s += elapsed
+        if category == WAITING:
+            self._open_waiting -= 1
+            if self._open_waiting == 0:
+                self.waiting_s += time.perf_counter() - self._since_waiting
+        else:
+            self._open_wire -= 1
+            if self._open_wire == 0:
+                self.wire_s += time.perf_counter() - self._since_wire
 
     @property
     def total_s(self) -> float:
@@ -196,13 +208,19 @@ def profiler_span(kind: str) -> Any:
     return span
 
 
-def _add(kind: str, start: float) -> None:
+_now = time.perf_counter
+
+
+def _add_copy(start: float) -> None:
     record = current.get()
     if record is not None:
-        if kind == "reduce":
-            record.reduce_s += time.perf_counter() - start
-        else:
-            record.copy_s += time.perf_counter() - start
+        record.copy_s += _now() - start
+
+
+def _add_reduce(start: float) -> None:
+    record = current.get()
+    if record is not None:
+        record.reduce_s += _now() - start
 
 
 class TimedBackend:
@@ -215,27 +233,29 @@ class TimedBackend:
         self.inner = inner
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        value = getattr(self.inner, name)
+        setattr(self, name, value)  # found in the instance from now on (backends stay put)
+        return value
 
     def copy_flat(self, x: Array, out: Array) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.copy_flat(x, out)
-        _add("copy", start)
+        _add_copy(start)
 
     def copy_out(self, flat: Array, x: Array) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.copy_out(flat, x)
-        _add("copy", start)
+        _add_copy(start)
 
     def write(self, out: Array, lo: int, hi: int, data: memoryview) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.write(out, lo, hi, data)
-        _add("copy", start)
+        _add_copy(start)
 
     def copy(self, out: Array, lo: int, hi: int, src: Array) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.copy(out, lo, hi, src)
-        _add("copy", start)
+        _add_copy(start)
 
     def reduce(
         self,
@@ -248,27 +268,36 @@ class TimedBackend:
         *,
         data_first: bool,
     ) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.reduce(op, out, lo, hi, local, data, data_first=data_first)
-        _add("reduce", start)
+        _add_reduce(start)
 
     def combine(self, op: ReduceOp, local: Array, lo: int, hi: int, data: memoryview) -> Array:
-        start = time.perf_counter()
+        start = _now()
         result = self.inner.combine(op, local, lo, hi, data)
-        _add("reduce", start)
+        _add_reduce(start)
         return result
 
     def scale(self, out: Array, lo: int, hi: int, world_size: int) -> None:
-        start = time.perf_counter()
+        start = _now()
         self.inner.scale(out, lo, hi, world_size)
-        _add("reduce", start)
+        _add_reduce(start)
 
     def __repr__(self) -> str:
         return f"<TimedBackend {self.inner!r}>"
+
+
+#: the timed twin of each backend seen (a few: numpy, one per GPU), made once
+_TIMED: dict[int, tuple[ArrayBackend, ArrayBackend]] = {}
 
 
 def timed(be: ArrayBackend) -> ArrayBackend:
     """`be`, timing its reductions and copies into the running call's record."""
     if isinstance(be, TimedBackend):
         return be
-    return cast(ArrayBackend, TimedBackend(be))
+    known = _TIMED.get(id(be))
+    if known is not None and known[0] is be:
+        return known[1]
+    twin = cast(ArrayBackend, TimedBackend(be))
+    _TIMED[id(be)] = (be, twin)  # keeps be alive, so its id is not reused
+    return twin
