@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dsml.collectives.cost import CHUNK_CHOICES, CostModel, fit_link
+from dsml.collectives.cost import CHUNK_CHOICES, HIERARCHICAL, MODELLED, CostModel, fit_link
 from dsml.collectives.cost_probe import LinkSample, model_from_samples
 from dsml.collectives.select import choose_all_reduce
 from dsml.errors import ProtocolError
@@ -342,3 +342,38 @@ def test_the_fit_keeps_every_raced_time_at_the_slowest_ranks_value() -> None:
     rows_b = (("naive", 4096, 3e-3), ("tree", 4096, 1e-3))
     m = fit([sample(1e-4, 2e-4, 1e-3, raced=rows_a), sample(1e-4, 2e-4, 1e-3, raced=rows_b)], 2)
     assert set(m.raced) == {("naive", 4096, 3e-3), ("tree", 4096, 2e-3)}
+
+
+def test_hierarchical_puts_fewer_bytes_on_host_links_than_the_flat_ring_for_large_arrays() -> None:
+    m = model(4, hosts=2, ranks_per_host=2)
+    for n in (16 * MiB, 64 * MiB):
+        hier = m.predict(HIERARCHICAL, n, MiB)
+        assert hier < m.predict("ring", n, MiB)
+        # link-bound: 2(H-1)/H n = n bytes per host link against the ring's 1.5 n
+        assert hier == pytest.approx(n * m.beta_s, rel=0.15)
+
+
+def test_auto_weighs_hierarchical_only_when_the_caller_can_run_it() -> None:
+    m = model(4, hosts=2, ranks_per_host=2)
+    n = 64 * MiB
+    assert m.choose(n, (*MODELLED, HIERARCHICAL)).algorithm == HIERARCHICAL
+    assert m.choose(n).algorithm != HIERARCHICAL
+
+
+def test_hierarchical_is_as_much_slower_than_its_formula_as_the_raced_ring() -> None:
+    plain = model(4, hosts=2, ranks_per_host=2)
+    n = MiB
+    ring_formula = plain.formula("ring", n, n)
+    raced = dataclasses.replace(plain, raced=(("ring", n, 3 * ring_formula),))
+    assert raced.predict("ring", n, n) == pytest.approx(3 * ring_formula)
+    assert raced.predict(HIERARCHICAL, n, n) == pytest.approx(3 * plain.formula(HIERARCHICAL, n, n))
+
+
+def test_hierarchical_is_weighed_only_from_the_largest_raced_size_up() -> None:
+    plain = model(4, hosts=2, ranks_per_host=2)
+    rows = tuple((a, b, plain.formula(a, b, b)) for a in MODELLED for b in (4 * KiB, MiB))
+    raced = dataclasses.replace(plain, raced=rows)
+    both = (*MODELLED, HIERARCHICAL)
+    assert raced.choose(4 * KiB, both).algorithm != HIERARCHICAL
+    assert raced.choose(MiB, both).algorithm == HIERARCHICAL
+    assert raced.choose(64 * MiB, both).algorithm == HIERARCHICAL

@@ -45,6 +45,22 @@ between raced sizes (the smallest raced time below them), and above the largest 
 size the formula's growth from there (from the raced size in one chunk per stream, as
 raced, to this size in chunks of c), never less than the formula itself.
 
+Where each of H hosts runs the same number L >= 2 of ranks that share its memory, `auto`
+also weighs the hierarchical all-reduce (shared memory in each host, L rings of H ranks
+on n/L bytes each between hosts, all L through each host's link at once):
+
+    hierarchical  n (2 copy + gamma) + (H-1) (stage'(m/H) + stage'(m/H) without gamma
+                  + 2 k o) + (H-1)/H m copy,   m = n/L, stage' with beta L per flow
+
+It is never raced (the probe runs over TCP), so its formula is scaled by how much the
+ring's prediction exceeds the ring's own formula at that size (same links and CPUs), and
+it is weighed only from the largest raced size up: below, per-message costs that only a
+race sees decide (on the namespaced harness, 2 hosts x 2 ranks at 1 Gbit: naive 1.25 ms
+against hierarchical 2.05 ms at 4 KiB, hierarchical 7.8 ms against the ring's 12.1 ms at
+1 MiB and 156 ms against 216 ms at 16 MiB; benchmarks/hierarchical.py).
+Each host link carries 2(H-1)/H n bytes in it, against 2(P-1)/P n for the flat ring, in
+2(H-1) steps instead of 2(P-1).
+
 With gamma, copy and o zero and one chunk, the ring's line is Thakur's
 2(P-1)a + 2(P-1)/P n beta. A host's ranks share its CPUs as well, which a measurement
 between two of them cannot see; so a group on a single host keeps the size table measured
@@ -61,12 +77,14 @@ from typing import Any
 from ..errors import ProtocolError
 from .select import choose_all_reduce
 
-__all__ = ["CHUNK_CHOICES", "Choice", "CostModel", "fit_link"]
+__all__ = ["CHUNK_CHOICES", "HIERARCHICAL", "Choice", "CostModel", "fit_link"]
 
 #: Chunk sizes `auto` considers (powers of two; the config's own chunk size is added).
 CHUNK_CHOICES = tuple(1 << e for e in range(16, 25))  # 64 KiB .. 16 MiB
-#: Algorithms the model predicts (those with a formula above).
+#: Algorithms the model predicts (those with a formula above) and the probe races.
 MODELLED = ("ring", "mesh", "naive", "tree", "direct")
+#: Also predicted where ranks share hosts evenly (`AutoChooser.choose(..., hierarchical)`).
+HIERARCHICAL = "hierarchical"
 _FLOATS = ("alpha_s", "beta_s", "beta_all_s", "overhead_s", "gamma_s", "copy_s")
 _MAX_RACED = 64  # rows of measured times a model may carry
 
@@ -131,6 +149,12 @@ class CostModel:
     def predict(self, algorithm: str, nbytes: int, chunk_bytes: int) -> float:
         """Predicted seconds of one all_reduce of nbytes with this algorithm and chunk:
         the measured times where the probe raced it, else the formula (module docstring)."""
+        if algorithm == HIERARCHICAL:
+            # Never raced (it needs shared memory): its formula, made as much slower than
+            # ideal as the ring's measurement is than the ring's formula (same links, CPUs).
+            ideal = self.formula("ring", nbytes, chunk_bytes)
+            scale = self.predict("ring", nbytes, chunk_bytes) / ideal if ideal > 0 else 1.0
+            return self.formula(algorithm, nbytes, chunk_bytes) * max(1.0, scale)
         formula = self.formula(algorithm, nbytes, chunk_bytes)
         points = sorted((b, t) for algo, b, t in self.raced if algo == algorithm)
         if not points or self.world_size == 1:
@@ -158,9 +182,22 @@ class CostModel:
             k = max(1, math.ceil(b / chunk_bytes))
             return k, b / k
 
-        def stage(b: float, c: float, g: float) -> float:
-            return max(b * beta, a + c * (beta + g))
+        def stage(b: float, c: float, g: float, per_byte: float = beta) -> float:
+            return max(b * per_byte, a + c * (per_byte + g))
 
+        if algorithm == HIERARCHICAL:
+            # Shared memory in each host (inputs staged, reduced, results copied out: about
+            # three passes over n), and between hosts L rings of H ranks, each on n/L bytes,
+            # all L through each host's link at once (so beta times L per flow).
+            h, per_host = self.hosts, self.ranks_per_host
+            local = n * (2 * self.copy_s + gamma)
+            if h == 1:
+                return local
+            m = n / per_host
+            k, c = chunks(m / h)
+            shared = beta * per_host
+            step = stage(m / h, c, gamma, shared) + stage(m / h, c, 0.0, shared) + 2 * k * o
+            return local + (h - 1) * step + (h - 1) / h * m * self.copy_s
         if algorithm == "ring":
             k, c = chunks(s)
             return (p - 1) * (stage(s, c, gamma) + stage(s, c, 0.0) + 2 * k * o) + gathered
@@ -198,7 +235,10 @@ class CostModel:
             chunk = self.default_chunk_bytes
             return Choice(algo, chunk, self.predict(algo, nbytes, chunk))
         best: Choice | None = None
+        largest_raced = max((b for _, b, _ in self.raced), default=0)
         for algo in algorithms:
+            if algo == HIERARCHICAL and nbytes < largest_raced:
+                continue  # see the module docstring
             for chunk in reversed(self.chunk_choices()):
                 t = self.predict(algo, nbytes, chunk)
                 if best is None or t < best.predicted_s:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from .cost import Choice, CostModel
+from .cost import HIERARCHICAL, MODELLED, Choice, CostModel
 from .cost_probe import PROBE_FRAME_BYTES, WithChunk, measure_cost
 from .group import Group
 from .select import choose_all_reduce
@@ -40,12 +40,15 @@ class AutoTicket:
     def __init__(self, chooser: AutoChooser, epoch: int, probes: bool, hosts: Sequence[str]):
         self._chooser, self._epoch, self._probes, self._hosts = chooser, epoch, probes, hosts
 
-    async def resolve(self, group: Group, nbytes: int) -> tuple[Group, str]:
-        """(the group to run on, with the chosen chunk; the chosen algorithm)."""
+    async def resolve(
+        self, group: Group, nbytes: int, hierarchical: bool = False
+    ) -> tuple[Group, str]:
+        """(the group to run on, with the chosen chunk; the chosen algorithm), weighing
+        `hierarchical` too when the caller can run it (it must say so alike on every rank)."""
         model = await self._chooser._model_for(self._epoch, self._probes, group, self._hosts)
         if model is None:
             return group, choose_all_reduce(nbytes, group.size)
-        choice = self._chooser.choose(model, nbytes)
+        choice = self._chooser.choose(model, nbytes, hierarchical)
         self._chooser.chosen = (nbytes, choice)
         return WithChunk(group, choice.chunk_bytes), choice.algorithm
 
@@ -68,19 +71,21 @@ class AutoChooser:
         self.chosen: tuple[int, Choice] | None = None
         # choices made from the current model, by size: evaluating every algorithm at
         # every chunk size costs more than a small all-reduce takes
-        self._choices: tuple[CostModel | None, dict[int, Choice]] = (None, {})
+        self._choices: tuple[CostModel | None, dict[tuple[int, bool], Choice]] = (None, {})
 
-    def choose(self, model: CostModel, nbytes: int) -> Choice:
-        """model.choose(nbytes), remembered per size for as long as the model is current."""
+    def choose(self, model: CostModel, nbytes: int, hierarchical: bool = False) -> Choice:
+        """model.choose(nbytes), with the hierarchical algorithm among the candidates if
+        asked; remembered per size for as long as the model is current."""
         known, choices = self._choices
         if known is not model:
             choices = {}
             self._choices = (model, choices)
-        choice = choices.get(nbytes)
+        choice = choices.get((nbytes, hierarchical))
         if choice is None:
             if len(choices) >= _REMEMBERED:
                 choices.clear()
-            choice = choices[nbytes] = model.choose(nbytes)
+            candidates = (*MODELLED, HIERARCHICAL) if hierarchical else MODELLED
+            choice = choices[nbytes, hierarchical] = model.choose(nbytes, candidates)
         return choice
 
     @property

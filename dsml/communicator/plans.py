@@ -245,7 +245,14 @@ class Planner:
         # rank: it depends on the view only); "shm" asked for elsewhere runs the ring.
         shm = self._shm
         in_shm = shm is not None and asked in ("auto", *SHM_ALGORITHMS) and shm.claim(be)
-        hier = asked == "hierarchical" and shm is not None and shm.claim_hierarchical(be)
+        # Hosts with as many ranks each: "hierarchical" runs, and auto may choose it.
+        can_hier = (
+            not in_shm
+            and asked in ("auto", "hierarchical")
+            and shm is not None
+            and shm.claim_hierarchical(be)
+        )
+        hier = asked == "hierarchical" and can_hier
         # Across hosts, auto runs what the view's measured cost model picks (agreed by all
         # ranks, chunk size included, so the fingerprint leaves the chunk open).
         algo, ticket = asked, None
@@ -275,9 +282,10 @@ class Planner:
             group: Group = call
             run = algo
             if ticket is not None:
-                group, run = await ticket.resolve(call, x.nbytes)
+                group, run = await ticket.resolve(call, x.nbytes, can_hier)
             src, copy = self._flat_input(be, x)
-            if hier and shm is not None:
+            in_hier = hier or (can_hier and run == "hierarchical")
+            if in_hier and shm is not None:
                 await shm.all_reduce_hierarchical(call, src, src, reduce_op)
                 done = True
             else:  # False: no room in /dev/shm on some rank; the ring, over TCP
@@ -285,7 +293,7 @@ class Planner:
                     in_shm and shm is not None and await shm.all_reduce(call, src, src, reduce_op)
                 )
             if done:
-                stats.ran("hierarchical" if hier else "shm")
+                stats.ran("hierarchical" if in_hier else "shm")
                 if copy is not None:
                     be.copy_out(copy, x)
                 self._release(be, copy)

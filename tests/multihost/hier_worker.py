@@ -3,8 +3,9 @@
     python tests/multihost/hier_worker.py
 
 Started by `dsml run -n L --nnodes H` on every host. For each algorithm (`hierarchical`,
-then `ring` as the reference) and each size, reduces `arange(n) * (rank + 1)` (float64,
-integer-valued, so every summation order is exact), checks the sum and the max, and
+`ring` as the reference, and `auto`, which may pick either) and each size, reduces
+`arange(n) * (rank + 1)` (float64, integer-valued, so every summation order is exact),
+checks the sum and the max, and
 prints one JSON line per call: {event: "ok", algorithm, ran, n, op, exact} where `ran` is
 what comm.stats() says ran. Ends with {event: "done"}.
 """
@@ -31,7 +32,7 @@ async def main() -> int:
     async with dsml.init() as comm:
         rank, size = comm.rank, comm.world_size
         emit("joined", rank=rank, size=size)
-        for algorithm in ("hierarchical", "ring"):
+        for algorithm in ("hierarchical", "ring", "auto"):
             for n in SIZES:
                 for op, expected in (
                     ("sum", np.arange(n, dtype=np.float64) * (size * (size + 1) // 2)),

@@ -52,10 +52,16 @@ def test_hierarchical_all_reduce_across_two_hosts_of_two_ranks_is_exact(
     ]
     assert procs.wait_exit(timeout=60) == [0, 0], procs.report()
     calls = [event for launcher in launchers for event in launcher.of("ok")]
-    assert len(calls) == 4 * 2 * 3 * 2, procs.report()  # ranks x algorithms x sizes x ops
+    assert len(calls) == 4 * 3 * 3 * 2, procs.report()  # ranks x algorithms x sizes x ops
     assert all(call["exact"] for call in calls), procs.report()
     assert {c["ran"] for c in calls if c["algorithm"] == "hierarchical"} == {"hierarchical"}
     assert {c["ran"] for c in calls if c["algorithm"] == "ring"} == {"ring"}
+    auto: dict[tuple[int, str], set[str]] = {}
+    for c in calls:
+        if c["algorithm"] == "auto":
+            auto.setdefault((c["n"], c["op"]), set()).add(c["ran"])
+    print("auto ran:", auto)
+    assert all(len(ran) == 1 for ran in auto.values()), auto  # one choice, on every rank
     for launcher in launchers:
         assert len(launcher.of("done")) == 2, procs.report()
 
