@@ -136,12 +136,7 @@ def compute_times(net: MLP, x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 async def sequential_step(comm: Any, net: MLP, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
-    acts = net.forward(x)
-    delta: np.ndarray | None = net.output_delta(acts, y)
-    grads: list[np.ndarray] = [np.empty(0)] * len(net.weights)
-    for i in reversed(range(len(net.weights))):
-        assert delta is not None
-        grads[i], delta = net.layer_backward(i, acts, delta)
+    grads = await compute_only(comm, net, x, y)
     for grad in reversed(grads):
         await comm.all_reduce(grad, "avg")
     return grads

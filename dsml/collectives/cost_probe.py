@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -415,23 +415,20 @@ async def _time(
 
 def _copy_time() -> float:
     """Seconds per byte of copying one array into another (median of a few)."""
-    a = np.ones(_REDUCE_BYTES // 4, dtype=np.float32)
-    b = np.ones_like(a)
-    times = []
-    for _ in range(_ROUNDS):
-        start = time.perf_counter()
-        np.copyto(a, b)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / _REDUCE_BYTES
+    return _per_byte(lambda a, b: np.copyto(a, b))
 
 
 def _reduce_time() -> float:
     """Seconds per byte of a float32 sum into an array (median of a few)."""
+    return _per_byte(lambda a, b: np.add(a, b, out=a))
+
+
+def _per_byte(work: Callable[[np.ndarray, np.ndarray], object]) -> float:
     a = np.ones(_REDUCE_BYTES // 4, dtype=np.float32)
     b = np.ones_like(a)
     times = []
     for _ in range(_ROUNDS):
         start = time.perf_counter()
-        np.add(a, b, out=a)
+        work(a, b)
         times.append(time.perf_counter() - start)
     return statistics.median(times) / _REDUCE_BYTES
