@@ -69,6 +69,27 @@ def hosts_fixture() -> Iterator[NetnsHosts]:
         close_hosts(hosts)
 
 
+def dsml_run_argv(
+    nprocs: int, nnodes: int, node_rank: int, registry: str, script: Sequence[str]
+) -> list[str]:
+    """`dsml run` of `script` as node `node_rank` of `nnodes`, `nprocs` ranks on it."""
+    return [
+        PYTHON,
+        "-m",
+        "dsml",
+        "run",
+        "-n",
+        str(nprocs),
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--registry",
+        registry,
+        *script,
+    ]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment without any DSML_* or launcher variable, plus `extra`."""
     launcher = ("DSML_", "MASTER_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dsml.testing.netns import NetnsHosts
-from tests.harness.netns import PYTHON, Procs, child_env
+from tests.harness.netns import PYTHON, Procs, child_env, dsml_run_argv
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,21 +31,7 @@ def test_hierarchical_all_reduce_across_two_hosts_of_two_ranks_is_exact(
     launchers = [
         procs.start(
             host,
-            [
-                PYTHON,
-                "-m",
-                "dsml",
-                "run",
-                "-n",
-                "2",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(host.index),
-                "--registry",
-                registry,
-                "tests/multihost/hier_worker.py",
-            ],
+            dsml_run_argv(2, 2, host.index, registry, ["tests/multihost/hier_worker.py"]),
             child_env(DSML_SHM="1"),
         )
         for host in two

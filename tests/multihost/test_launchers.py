@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dsml.testing.netns import NetnsHosts
-from tests.harness.netns import PYTHON, Event, Proc, Procs, child_env
+from tests.harness.netns import PYTHON, Event, Proc, Procs, child_env, dsml_run_argv
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,23 +47,7 @@ def test_dsml_run_with_one_launcher_per_host_forms_one_group(hosts: NetnsHosts, 
     launchers = [
         procs.start(
             host,
-            [
-                PYTHON,
-                "-m",
-                "dsml",
-                "run",
-                "-n",
-                "2",
-                "--nnodes",
-                "4",
-                "--node-rank",
-                str(host.index),
-                "--registry",
-                registry,
-                *WORKER[1:],
-                "--calls",
-                "2",
-            ],
+            dsml_run_argv(2, 4, host.index, registry, [*WORKER[1:], "--calls", "2"]),
             child_env(),
         )
         for host in hosts
