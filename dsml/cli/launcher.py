@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from .. import errors
 from .._process import describe_exit, die_with_parent
 
 __all__ = ["Failure", "Launch", "rank_environment"]
@@ -80,8 +82,9 @@ def rank_environment(
     return env
 
 
-#: Errors a rank raises because another rank failed: not the root cause of a crash.
-_CONSEQUENCES = ("CollectiveAbortedError", "PeerLostError", "MembershipChangedError")
+#: Errors a rank raises because another rank failed or left (subclasses included, e.g.
+#: PeerLostError, MemberLeftError): not the root cause of a crash.
+_CONSEQUENCES = (errors.CollectiveAbortedError, errors.MembershipChangedError)
 
 
 @dataclass
@@ -95,8 +98,10 @@ class Failure:
     @property
     def consequence(self) -> bool:
         """True when this rank only failed because another one did (as its error says)."""
-        last = self.tail[-1] if self.tail else ""
-        return last.startswith(tuple(f"dsml.errors.{name}" for name in _CONSEQUENCES))
+        error = _error_of(self.tail) or self.tail[-1:]
+        match = re.match(r"dsml\.errors\.(\w+)\b", error[0]) if error else None
+        kind = getattr(errors, match.group(1), None) if match else None
+        return isinstance(kind, type) and issubclass(kind, _CONSEQUENCES)
 
     def report(self) -> str:
         where = f" on node {self.node} ({self.host})" if self.node is not None else ""
@@ -118,10 +123,19 @@ class Failure:
 
 def _error_of(tail: list[str]) -> list[str]:
     """The exception lines that end a Python traceback in `tail` ([] if it holds none)."""
-    if not any(line.startswith("Traceback (most recent call last)") for line in tail):
+    starts = [i for i, line in enumerate(tail) if line.startswith("Traceback (most recent")]
+    if not starts:
         return []
-    last_frame = max(i for i, line in enumerate(tail) if line.startswith((" ", "Traceback")))
-    return tail[last_frame + 1 :]
+    # The last frame line, then its source and caret lines (indented 4), then the error:
+    # its message may go on over lines of any indentation.
+    end = starts[-1]
+    for i in range(end, len(tail)):
+        if tail[i].startswith('  File "'):
+            end = i
+    end += 1
+    while end < len(tail) and tail[end].startswith("    "):
+        end += 1
+    return tail[end:]
 
 
 class Launch:
