@@ -28,6 +28,7 @@ __all__ = [
     "RegistryUnavailableError",
     "RemoteError",
     "WorkerLostError",
+    "caused_by_another_rank",
 ]
 
 
@@ -166,3 +167,15 @@ class WorkerLostError(RemoteError):
 
 class JobTimeoutError(DsmlError, TimeoutError):
     """A job did not finish within `client.run(..., timeout=)`; it was cancelled."""
+
+
+def caused_by_another_rank(type_name: str) -> bool:
+    """True when `type_name`, an error's class as a traceback prints it
+    ("dsml.errors.MemberLeftError"), is one a rank raises because another rank failed or
+    left: an abort or a membership change, subclasses included. Launchers and the daemon
+    client name the rank with any other error as a crash's root cause."""
+    module, _, name = type_name.rpartition(".")
+    kind = globals().get(name) if module == __name__ else None
+    return isinstance(kind, type) and issubclass(
+        kind, (CollectiveAbortedError, MembershipChangedError)
+    )

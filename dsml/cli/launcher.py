@@ -17,7 +17,6 @@ import asyncio
 import collections
 import contextlib
 import os
-import re
 import signal
 import socket
 import sys
@@ -25,8 +24,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from .. import errors
 from .._process import describe_exit, die_with_parent
+from ..errors import caused_by_another_rank
 
 __all__ = ["Failure", "Launch", "rank_environment"]
 
@@ -82,11 +81,6 @@ def rank_environment(
     return env
 
 
-#: Errors a rank raises because another rank failed or left (subclasses included, e.g.
-#: PeerLostError, MemberLeftError): not the root cause of a crash.
-_CONSEQUENCES = (errors.CollectiveAbortedError, errors.MembershipChangedError)
-
-
 @dataclass
 class Failure:
     rank: int
@@ -99,9 +93,7 @@ class Failure:
     def consequence(self) -> bool:
         """True when this rank only failed because another one did (as its error says)."""
         error = _error_of(self.tail) or self.tail[-1:]
-        match = re.match(r"dsml\.errors\.(\w+)\b", error[0]) if error else None
-        kind = getattr(errors, match.group(1), None) if match else None
-        return isinstance(kind, type) and issubclass(kind, _CONSEQUENCES)
+        return bool(error) and caused_by_another_rank(error[0].partition(":")[0])
 
     def report(self) -> str:
         where = f" on node {self.node} ({self.host})" if self.node is not None else ""

@@ -37,6 +37,7 @@ from ..errors import (
     ProtocolError,
     RemoteError,
     WorkerLostError,
+    caused_by_another_rank,
 )
 from ..membership import query_status
 from ..transport import Channel, check_address
@@ -50,16 +51,9 @@ __all__ = ["Client", "WorkerInfo"]
 _CANCEL_WAIT_S = 5.0  # after a failure or a cancel, time the other ranks get to report
 _ATTEMPTS = 3  # choices of workers per run, when chosen daemons turn out to be gone
 _UNREACHABLE = "Unreachable"  # error_type of a daemon that refused the connection
-#: Errors a rank raises because another rank failed first: not the root cause.
-_CONSEQUENCES = frozenset(
-    {
-        "CancelledError",
-        "dsml.errors.PeerLostError",
-        "dsml.errors.CollectiveAbortedError",
-        "dsml.errors.MembershipChangedError",
-        "dsml.errors.CollectiveTimeoutError",
-    }
-)
+#: Besides aborts and membership changes (errors.caused_by_another_rank): errors a rank
+#: gets when another failed first (its job cancelled, or a collective left waiting).
+_ALSO_CONSEQUENCES = frozenset({"CancelledError", "dsml.errors.CollectiveTimeoutError"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +135,8 @@ class _Job:
 
     def root_cause(self) -> RemoteError:
         for error in self.errors:
-            if error.error_type not in _CONSEQUENCES:
+            kind = error.error_type
+            if kind not in _ALSO_CONSEQUENCES and not caused_by_another_rank(kind):
                 return error
         return self.errors[0]
 

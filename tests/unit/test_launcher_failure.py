@@ -1,5 +1,7 @@
 """Which failed rank the launcher names as the root cause of a crash."""
 
+import asyncio
+
 from dsml.cli.launcher import Failure
 
 
@@ -41,3 +43,19 @@ def test_the_root_cause_is_named_even_when_a_consequence_ended_first():
     launch._add_failure(Failure(2, 1, _tail("RuntimeError: rank 2 cannot find its batch")))
     assert launch.failure is not None
     assert launch.failure.rank == 2
+
+
+def test_the_daemon_client_names_the_root_cause_the_same_way():
+    from dsml.daemon.client import _Job  # the client's record of one job's outcomes
+    from dsml.errors import RemoteError
+
+    def error(rank: int, kind: str) -> RemoteError:
+        return RemoteError(f"rank {rank} raised {kind}", rank=rank, error_type=kind)
+
+    async def cause() -> RemoteError:
+        job = _Job("j", [], "train")
+        job.errors += [error(0, "dsml.errors.MemberLeftError"), error(1, "CancelledError")]
+        job.errors += [error(2, "ValueError"), error(3, "dsml.errors.PeerLostError")]
+        return job.root_cause()
+
+    assert asyncio.run(cause()).rank == 2
