@@ -1,9 +1,10 @@
-"""Two shared-memory reduce-scatter schedules in one process, alternating call by call.
+"""Two shared-memory all_reduce schedules in one process, alternating call by call.
 
     DSML_SHM=1 dsml run -n 2 benchmarks/shm_ab.py --baseline ../dsml-main --bytes 16M
 
-Every rank loads `reduce_slices` from the other checkout's `all_reduce_shm.py` next to
-this tree's, and alternates them call by call (ABBA order) on the same array, so noise
+Every rank loads `all_reduce_shm` (or, with `--swap reduce_slices`, only the
+reduce-scatter half) from the other checkout's `all_reduce_shm.py` next to this tree's,
+and alternates them call by call (ABBA order) on the same array, so noise
 from the rest of the machine falls on both alike: that is what tells two schedules apart
 on a busy host, where separate runs differ by more than the schedules do. Rank 0 prints
 each schedule's median, p10 and p90 call time (the slowest rank's). A benchmark: it
@@ -23,6 +24,7 @@ import numpy as np
 
 import dsml
 from dsml.collectives import all_reduce_shm
+from dsml.communicator import shm_hook
 
 
 def load_baseline(checkout: str) -> Any:
@@ -32,7 +34,7 @@ def load_baseline(checkout: str) -> Any:
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.reduce_slices
+    return module
 
 
 def parse_size(text: str) -> int:
@@ -42,17 +44,23 @@ def parse_size(text: str) -> int:
 
 
 async def main(args: argparse.Namespace) -> None:
-    schedules = {"baseline": load_baseline(args.baseline), "this": all_reduce_shm.reduce_slices}
+    baseline = load_baseline(args.baseline)
+    if args.swap == "reduce_slices":
+        schedules = {"baseline": baseline.reduce_slices, "this": all_reduce_shm.reduce_slices}
+        owner: Any = all_reduce_shm
+    else:
+        schedules = {"baseline": baseline.all_reduce_shm, "this": all_reduce_shm.all_reduce_shm}
+        owner = shm_hook
     async with dsml.init() as comm:
         x = np.zeros(parse_size(args.bytes) // 4, np.float32)
         for fn in schedules.values():
-            all_reduce_shm.reduce_slices = fn  # type: ignore[assignment]
+            setattr(owner, args.swap, fn)
             for _ in range(3):
                 await comm.all_reduce(x)
         times: dict[str, list[float]] = {name: [] for name in schedules}
         for i in range(args.calls):
             for name in sorted(schedules, reverse=bool(i % 2)):
-                all_reduce_shm.reduce_slices = schedules[name]  # type: ignore[assignment]
+                setattr(owner, args.swap, schedules[name])
                 await comm.barrier()
                 start = time.perf_counter()
                 await comm.all_reduce(x)
@@ -70,4 +78,7 @@ if __name__ == "__main__":
     parser.add_argument("--baseline", required=True, help="another dsml checkout")
     parser.add_argument("--bytes", default="16M")
     parser.add_argument("--calls", type=int, default=60)
+    parser.add_argument(
+        "--swap", choices=["all_reduce_shm", "reduce_slices"], default="all_reduce_shm"
+    )
     asyncio.run(main(parser.parse_args()))

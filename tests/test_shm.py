@@ -25,10 +25,18 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.collectives.all_reduce_shm import BUFFER_BYTES, PIECE_BYTES, all_reduce_shm, piece_plan
+from dsml.collectives import shm_plane
+from dsml.collectives.all_reduce_shm import (
+    BUFFER_BYTES,
+    PAIR_BYTES,
+    PAIR_PIECE_BYTES,
+    PIECE_BYTES,
+    all_reduce_shm,
+    piece_plan,
+)
 from dsml.collectives.ops import ReduceOp
 from dsml.collectives.shm_plane import HostMember, SameHost
-from dsml.testing import open_local_cluster
+from dsml.testing import crash, open_local_cluster
 from dsml.transport.shm_segment import SHM_DIR, Segment, segment_name, sweep_orphans
 
 _COUNTER = itertools.count()
@@ -367,6 +375,50 @@ async def test_hierarchical_all_reduce_over_hosts_is_exact(
                 np.testing.assert_allclose(x, expected, rtol=1e-12)
             assert len({x.tobytes() for x in xs}) == 1  # bitwise identical everywhere
         assert all(c._shm.plane.calls == 3 for c in comms)  # the local phases ran
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_crashing_after_two_ranks_wrote_results_leaves_every_input_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two ranks reduce an array of several pieces each into their own input (the pair
+    schedule), so results land in the caller's array while the call runs; rank 1 crashes
+    at its fourth sync, when rank 0 has written three pieces of results. Rank 0's call
+    fails with PeerLostError and its array holds its input again, to the last bit."""
+    n = 4 * PAIR_PIECE_BYTES // 8 + 3  # float64: 4 pieces and a bit (a 5th, short one)
+    assert (1 << 20) < n * 8 <= PAIR_BYTES  # over the inline size: the pair schedule
+    xs = [np.arange(n, dtype=np.float64) * (r + 1) + 0.5 for r in range(2)]
+    inputs = [x.copy() for x in xs]
+    seen: dict[str, Any] = {}
+    rank0_there = asyncio.Event()
+    real_sync = shm_plane.ShmCall.sync
+    cluster: list[Any] = []
+
+    async def sync(self: Any, ok: bool = True) -> bool:
+        if cluster and self._phase == 3 and self.rank == 0:
+            seen["rank0"] = xs[0].copy()  # rank 0 has reduced pieces 0-2 into its array
+            rank0_there.set()
+        elif cluster and self._phase == 3 and "crashed" not in seen:
+            seen["crashed"] = True
+            await rank0_there.wait()
+            await crash(cluster[0][1])
+            await asyncio.Event().wait()  # a dead process posts nothing more
+        return await real_sync(self, ok)
+
+    hb = dsml.RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=0.5)
+    config = dsml.CommConfig(timeout=8, view_timeout=8, join_timeout=10)
+    async with open_local_cluster(2, config=config, registry_config=hb) as comms:
+        await asyncio.gather(*(c.all_reduce(np.ones(4)) for c in comms))
+        monkeypatch.setattr(shm_plane.ShmCall, "sync", sync)
+        cluster.append(comms)
+        calls = [asyncio.ensure_future(c.all_reduce(x)) for c, x in zip(comms, xs, strict=True)]
+        outcome = await asyncio.gather(calls[0], return_exceptions=True)
+        await asyncio.wait([calls[1]], timeout=5)
+        assert isinstance(outcome[0], dsml.PeerLostError), repr(outcome[0])
+    step = PAIR_PIECE_BYTES // 8
+    written = seen["rank0"][: 3 * step]
+    np.testing.assert_array_equal(written, inputs[0][: 3 * step] + inputs[1][: 3 * step])
+    np.testing.assert_array_equal(xs[0], inputs[0])  # every bit back as it was
 
 
 async def test_a_rank_that_never_arrives_times_out_the_others_and_a_late_one_fails_too() -> None:

@@ -1,11 +1,21 @@
 """All-reduce through shared memory between the ranks of one host (collectives layer).
 
-Two schedules, chosen by size (the same on every rank):
+Three schedules, chosen by size and group size (the same on every rank):
 
 * small (the whole array fits an inline area, and P x n <= 4 MiB): every rank writes
   its input into its inline area, one sync, and every rank reduces the whole array
   itself, reading the peers' inline areas in rank order, straight into `dst`. One sync,
   P x n reads per rank; the same inputs in the same order give every rank the same bits.
+* pair (two ranks, up to PAIR_BYTES): no slices. Piece by piece (512 KiB), each rank
+  copies its input's piece into its staging, one sync, and reduces the piece from its
+  input (still in cache) and the peer's staging, both in rank order, straight into
+  `dst`; one more sync at the end (the peer is done reading). Per rank: n copied in,
+  n read from the peer, n written; K+1 syncs for K pieces. With two operands, a op b and
+  b op a are the same bits, so both ranks end alike. `dst` is written while the call
+  runs, but the staging keeps the whole input (it is never reused within a call), so a
+  failure copies the written part back from there (only when `dst` is `src`): no extra
+  pass unless the call fails. It stages the whole array, so it is kept to arrays whose
+  double in /dev/shm and resident memory are small (16 MiB).
 * large: slices, as in a reduce-scatter + all-gather. Rank r owns slice r. The slices go
   through in pieces (512 KiB at 2 ranks, 768 KiB / (P-1) beyond: 256 KiB at 4; two
   pieces' staging within `stage_bytes`). For piece p: every rank copies piece p of its
@@ -57,6 +67,10 @@ PIECE_BYTES = 512 << 10
 #: ... and one buffer's P-1 pieces at most this much (two buffers fit a 2 MiB L2;
 #: measured at 4 ranks on 2 cores: 256 KiB pieces 6% faster than 512 KiB)
 BUFFER_BYTES = 768 << 10
+#: two ranks: arrays up to this size are staged whole, each rank reducing all of it
+PAIR_BYTES = 16 << 20
+#: ... piece by piece (a sync each), so the staged piece is still in cache
+PAIR_PIECE_BYTES = 512 << 10
 
 
 async def all_reduce_shm(
@@ -65,6 +79,8 @@ async def all_reduce_shm(
     """dst = reduction over the host's ranks of src; False if it could not run here."""
     if src.nbytes <= group.inline_bytes and src.nbytes * group.size <= SMALL_READ_BYTES:
         return await _small(group, src, dst, op)
+    if group.size == 2 and src.nbytes <= PAIR_BYTES:
+        return await _pair(group, src, dst, op)
     return await _large(group, src, dst, op, stage_bytes)
 
 
@@ -77,6 +93,34 @@ async def _small(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
     reduce_into(dst, inputs, op, 0, n)
     if op is ReduceOp.AVG:
         np.divide(dst, group.size, out=dst, casting="unsafe")
+    return True
+
+
+async def _pair(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
+    n, dtype, rank = len(src), src.dtype, group.rank
+    step = max(1, PAIR_PIECE_BYTES // dtype.itemsize)
+    room = group.reserve(0, src.nbytes)
+    stage = staging(group.area(rank), src.nbytes).view(dtype) if room else src[:0]
+    ufunc = _UFUNCS[op]
+    written = 0  # dst[:written] holds results; our input's copy is stage[:written]
+    try:
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            if room:
+                stage[a:b] = src[a:b]
+            if not await group.sync(room) and a == 0:
+                return False  # some rank has no room: nothing was written yet
+            peer = staging(group.area(1 - rank), src.nbytes).view(dtype)[a:b]
+            pair = (src[a:b], peer) if rank == 0 else (peer, src[a:b])
+            written = b
+            ufunc(*pair, out=dst[a:b])
+            if op is ReduceOp.AVG:
+                np.divide(dst[a:b], 2, out=dst[a:b], casting="unsafe")
+        await group.sync()  # the peer is done reading our staging
+    except BaseException:
+        if written and np.shares_memory(src, dst):
+            dst[:written] = stage[:written]  # the input as it was
+        raise
     return True
 
 
