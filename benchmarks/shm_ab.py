@@ -4,11 +4,12 @@
 
 Every rank loads `all_reduce_shm` (or, with `--swap reduce_slices`, only the
 reduce-scatter half) from the other checkout's `all_reduce_shm.py` next to this tree's,
-and alternates them call by call (ABBA order) on the same array, so noise
-from the rest of the machine falls on both alike: that is what tells two schedules apart
-on a busy host, where separate runs differ by more than the schedules do. Rank 0 prints
-each schedule's median, p10 and p90 call time (the slowest rank's). A benchmark: it
-asserts nothing.
+and alternates them call by call (ABBA order; `--block K`: K calls in a row, the first
+untimed, so that each is measured in its own steady state of the caches) on the same
+array, so noise from the rest of the machine falls on both alike: that is what tells two
+schedules apart on a busy host, where separate runs differ by more than the schedules do.
+Rank 0 prints each schedule's median, p10 and p90 call time (the slowest rank's). A
+benchmark: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ async def main(args: argparse.Namespace) -> None:
         for i in range(args.calls):
             for name in sorted(schedules, reverse=bool(i % 2)):
                 setattr(owner, args.swap, schedules[name])
-                await comm.barrier()
-                start = time.perf_counter()
-                await comm.all_reduce(x)
-                times[name].append(time.perf_counter() - start)
+                for k in range(args.block):
+                    await comm.barrier()
+                    start = time.perf_counter()
+                    await comm.all_reduce(x)
+                    if k or args.block == 1:  # in blocks, the first call settles the caches
+                        times[name].append(time.perf_counter() - start)
         for name, values in times.items():
             slowest = np.array(values)
             await comm.all_reduce(slowest, "max")
@@ -78,6 +81,13 @@ if __name__ == "__main__":
     parser.add_argument("--baseline", required=True, help="another dsml checkout")
     parser.add_argument("--bytes", default="16M")
     parser.add_argument("--calls", type=int, default=60)
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="calls of one schedule in a row (the first of each untimed): steady state, "
+        "as in separate runs, rather than each call after the other schedule's",
+    )
     parser.add_argument(
         "--swap", choices=["all_reduce_shm", "reduce_slices"], default="all_reduce_shm"
     )
