@@ -28,6 +28,7 @@ import dsml
 from dsml.collectives import shm_plane
 from dsml.collectives.all_reduce_shm import (
     BUFFER_BYTES,
+    MAX_PIECES,
     PAIR_BYTES,
     PAIR_PIECE_BYTES,
     PIECE_BYTES,
@@ -184,9 +185,12 @@ def test_all_reduce_shm_between_processes_is_exact_small_large_and_in_pieces(
 def test_large_pieces_cover_every_slice_and_two_buffers_fit_the_staging_budget(
     size: int, itemsize: int, stage_bytes: int
 ) -> None:
-    for longest in [1, 1000, 65_537, 2_000_001]:
+    for longest in [1, 1000, 65_537, 2_000_001, 300_000_000]:
         slot, pieces = piece_plan(longest, size, itemsize, stage_bytes)
         assert slot * pieces >= longest > slot * (pieces - 1)  # covers, none empty
+        assert pieces <= MAX_PIECES  # a sync each: the phases fit the progress word
+        if pieces == MAX_PIECES or slot * MAX_PIECES >= longest > (slot - 1) * MAX_PIECES:
+            continue  # pieces grown to stay within MAX_PIECES: past the budget, on purpose
         buffers = 2 if pieces > 1 else 1
         staged = buffers * (size - 1) * slot * itemsize
         assert staged <= max(stage_bytes, (size - 1) * itemsize)  # one element at least
@@ -347,6 +351,20 @@ async def test_broadcast_all_gather_and_reduce_scatter_in_shared_memory_are_exac
             np.testing.assert_array_equal(part, np.array_split(total, world)[r])
         assert all((y == np.arange(n) % 7 + r).all() for r, y in enumerate(ys))  # inputs kept
         assert all(c._shm.plane.calls == 3 for c in comms)  # all in shared memory
+
+
+async def test_an_all_reduce_of_more_pieces_than_a_call_has_phases_is_exact() -> None:
+    """A 4 KiB staging budget at 3 ranks makes 1 KiB pieces: 400,000 float32 would need
+    over 500 of them, a sync each, more than a call's phase counter holds; the plan makes
+    the pieces larger instead (this failed with an AssertionError on one rank)."""
+    config = dsml.CommConfig(shm_stage_bytes=4096)
+    async with open_local_cluster(3, config=config) as comms:
+        xs = [np.arange(400_000, dtype=np.float32) % 97 + r for r in range(3)]
+        expected = np.sum(xs, axis=0, dtype=np.float32)
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        for x in xs:
+            np.testing.assert_array_equal(x, expected)
+        assert all(c.stats()[-1]["algorithm"] == "shm" for c in comms)
 
 
 @pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 1), (2, 3)])

@@ -67,6 +67,10 @@ PIECE_BYTES = 512 << 10
 #: ... and one buffer's P-1 pieces at most this much (two buffers fit a 2 MiB L2;
 #: measured at 4 ranks on 2 cores: 256 KiB pieces 6% faster than 512 KiB)
 BUFFER_BYTES = 768 << 10
+#: a call's syncs are numbered within one byte of the link's progress word (254 at most);
+#: the large schedule's pieces (a sync each) stay below this, leaving room for the
+#: hierarchical all_reduce's and reduce_scatter's own syncs
+MAX_PIECES = 240
 #: two ranks: arrays up to this size are staged whole, each rank reducing all of it
 PAIR_BYTES = 16 << 20
 #: ... piece by piece (a sync each), so the staged piece is still in cache
@@ -184,12 +188,15 @@ def piece_plan(longest: int, size: int, itemsize: int, stage_bytes: int) -> tupl
     """(elements per slice and piece, number of pieces) for slices of up to `longest`
     elements: pieces of at most PIECE_BYTES per slice and BUFFER_BYTES per buffer, in two
     staging buffers that fit `stage_bytes` together (one buffer when a single piece holds
-    the slices). It depends on the arguments only, so every rank plans alike."""
+    the slices). At most MAX_PIECES pieces, a sync each, so a call's phases fit the link's
+    counter: for huge slices (or a tiny `stage_bytes`) pieces grow past those sizes. It
+    depends on the arguments only, so every rank plans alike."""
     others = max(1, size - 1)
     piece_bytes = min(PIECE_BYTES, BUFFER_BYTES // others)  # from P only: ranks agree
     slot = max(1, min(piece_bytes, stage_bytes // (2 * others)) // itemsize)
     if longest <= slot or longest * others * itemsize <= min(stage_bytes, piece_bytes):
         return max(1, longest), 1
+    slot = max(slot, -(-longest // MAX_PIECES))
     return slot, -(-longest // slot)
 
 
