@@ -53,10 +53,10 @@ _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _FULL_POLL_S = 0.001  # re-try interval of a send that found the queue full (rare)
 _monitor_ids = itertools.count()  # names of the monitors that watch endpoints close
-#: Longest wait for ZeroMQ to destroy a closed endpoint: milliseconds in practice, but a
-#: daemon job whose peers all closed right after connecting (shared memory carried the
-#: call) has seen one outlive 5 s, holding its job busy that long. Past the wait, close
-#: returns; a caller rebinding that port at once may then find it taken a moment longer.
+#: Longest wait for ZeroMQ to destroy a closed endpoint: milliseconds in practice (the
+#: waits of seconds once seen in daemon jobs came with the former wait in a thread, which
+#: a cancelled close broke; see `_monitor_stopped`). Past the wait, close returns; a
+#: caller rebinding that port at once may then find it taken a moment longer.
 _CLOSE_WAIT_S = 1.0
 _DROP_LOG_INTERVAL_S = 10.0  # a flood of bad messages: one line per sender per interval
 
