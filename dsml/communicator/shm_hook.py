@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -49,6 +50,8 @@ class ShmHook:
         #: the last fingerprint's entry record (msgpack), made once for repeated calls
         self._record_of: tuple[Fingerprint | None, bytes] = (None, b"")
         self._stage_bytes = config.shm_stage_bytes
+        #: more processes share this host's memory than it has CPUs (see `_run`)
+        self._crowded = False
         self.plane = SameHost(
             enabled=config.shm,
             stage_bytes=config.shm_stage_bytes,
@@ -61,6 +64,8 @@ class ShmHook:
         assert rank is not None
         members = [HostMember(m.id, _where(m), m.host_id, m.pid) for m in view.members]
         self.plane.set_view(view.epoch, members, rank)
+        processes = {members[r].pid for r in self.plane.local_ranks}
+        self._crowded = len(processes) > _cpus()
 
     def claim(self, be: ArrayBackend) -> bool:
         """Whether the call being planned (on arrays of this backend) runs in shared
@@ -168,6 +173,12 @@ class ShmHook:
             return _mismatch(call, peer, theirs)
 
         await self._wait_turn(call)
+        if self._crowded:
+            # Fewer CPUs than ranks: a peer on this CPU may still be finishing the
+            # previous call (it saw the last sync after us). Let it finish before our
+            # work for this one; else it finishes only once we wait, and the call ends
+            # on every rank a whole call's work later.
+            os.sched_yield()
         self.plane.cut = self._table.links.cut  # fault injection (dsml.testing), else None
         try:
             return await self.plane.run(
@@ -213,6 +224,14 @@ def _count_wait(phase: int, seconds: float) -> None:
             record.waiting_s += seconds
         else:
             record.wire_s += seconds
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _is_numpy(be: ArrayBackend) -> bool:
