@@ -52,6 +52,7 @@ class ShmHook:
         self._stage_bytes = config.shm_stage_bytes
         #: more processes share this host's memory than it has CPUs (see `_run`)
         self._crowded = False
+        self._all_local = False  # the view's whole group shares this host's memory
         self.plane = SameHost(
             enabled=config.shm,
             stage_bytes=config.shm_stage_bytes,
@@ -64,14 +65,15 @@ class ShmHook:
         assert rank is not None
         members = [HostMember(m.id, _where(m), m.host_id, m.pid) for m in view.members]
         self.plane.set_view(view.epoch, members, rank)
-        processes = {members[r].pid for r in self.plane.local_ranks}
-        self._crowded = len(processes) > _cpus()
+        local = self.plane.local_ranks
+        self._all_local = self.plane.all_local
+        self._crowded = len({members[r].pid for r in local}) > _cpus()
 
     def claim(self, be: ArrayBackend) -> bool:
         """Whether the call being planned (on arrays of this backend) runs in shared
         memory; the answer depends only on the view and the array type, so every rank
         gives the same. If so, the call takes its turn (see `_wait_turn`)."""
-        return _is_numpy(be) and self.plane.all_local and self._take_turn()
+        return self._all_local and _is_numpy(be) and self._take_turn()
 
     def claim_hierarchical(self, be: ArrayBackend) -> bool:
         """Like `claim`, for a hierarchical all_reduce (several hosts, as many ranks each)."""
