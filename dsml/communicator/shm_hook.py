@@ -87,6 +87,8 @@ class ShmHook:
     async def _wait_turn(self, call: Call) -> None:
         """Wait until this rank's earlier shared-memory calls are over: the link runs one
         call at a time, in collective order on every rank, while TCP calls may overlap."""
+        if self._claimed and self._claimed[0] == (call.epoch, call.cid):
+            return  # the usual case: no earlier call claimed the link
         while True:
             live = self._table.calls
             self._claimed = [key for key in self._claimed if key in live]
