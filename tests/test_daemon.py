@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -111,6 +112,53 @@ async def test_remote_error_names_rank_and_traceback_and_daemons_go_on():
         results = await client.run(lambda comm: os.getpid())
         assert sorted(results) == sorted(pids)
         await _listed(client, lambda ws: all(w.jobs_done == 3 for w in ws), "3 jobs done")
+
+
+async def _mismatched(comm):
+    n = 5 if comm.rank == 2 else 4  # rank 2 gets the shape wrong, as in the quickstart
+    await comm.all_reduce(np.zeros(n, dtype=np.float32))
+
+
+def _threads_and_fds(pid: int) -> tuple[int, int]:
+    return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_mismatched_jobs_leave_every_worker_alive_idle_within_two_seconds_and_clean():
+    """The client cancels the ranks still closing their communicator after a mismatch.
+    That cancel once killed a worker (libzmq aborted on a socket closed under a thread's
+    recv) and cut the close short, leaking a heartbeat thread and sockets per job."""
+    trials = 12
+    async with dsml.LocalCluster(4) as cluster:
+        client = cluster.client()
+        await client.run(_sum_and_report, np.ones(4), 1.0)  # whatever a job sets up once
+        pids = [w.pid for w in cluster.workers]
+        linux = sys.platform == "linux"
+        before = [_threads_and_fds(pid) for pid in pids] if linux else []
+        for trial in range(trials):
+            with pytest.raises(dsml.RemoteError) as info:
+                await client.run(_mismatched)
+            assert info.value.error_type == "dsml.errors.CollectiveMismatchError", info.value
+            failed_at = time.monotonic()
+            while not (
+                len(listed := await client.workers()) == 4
+                and all(w.state == "idle" for w in listed)
+            ):
+                dead = [w.name for w in cluster.workers if not w.running]
+                assert not dead, f"trial {trial}: {dead} died: {cluster._tails()}"
+                assert time.monotonic() - failed_at < 2, f"trial {trial}: not idle in 2 s: {listed}"
+                await asyncio.sleep(0.02)
+        assert all(w.running for w in cluster.workers)
+        if linux:  # every job's threads and sockets are gone with it (the leak was a
+            # heartbeat thread and ~25 descriptors per job; a failed call's traceback may
+            # keep a shared-memory mapping's descriptor until the cyclic GC runs)
+            deadline = time.monotonic() + 2
+            while (after := [_threads_and_fds(pid) for pid in pids]) and any(
+                t > t0 or f > f0 + 4 * trials
+                for (t, f), (t0, f0) in zip(after, before, strict=True)
+            ):
+                assert time.monotonic() < deadline, f"(threads, fds) {before} -> {after}"
+                await asyncio.sleep(0.05)
+        assert await client.run(lambda comm: comm.world_size) == [4, 4, 4, 4]
 
 
 async def _sleep_forever(comm):

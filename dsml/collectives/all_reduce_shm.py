@@ -94,7 +94,13 @@ async def _small(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
     await group.sync()
     # Our own input is read back from the inline area too: dst may be src.
     inputs = [group.inline(j)[: src.nbytes].view(dtype) for j in range(group.size)]
-    reduce_into(dst, inputs, op, 0, n)
+    if src.nbytes > BLOCK_BYTES or len(inputs) < 2:
+        reduce_into(dst, inputs, op, 0, n)
+    else:  # one block: what reduce_into does, without its slicing (a few us per call)
+        ufunc = _UFUNCS[op]
+        ufunc(inputs[0], inputs[1], out=dst)
+        for extra in inputs[2:]:
+            ufunc(dst, extra, out=dst)
     if op is ReduceOp.AVG:
         np.divide(dst, group.size, out=dst, casting="unsafe")
     return True

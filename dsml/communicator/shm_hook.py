@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -49,6 +50,9 @@ class ShmHook:
         #: the last fingerprint's entry record (msgpack), made once for repeated calls
         self._record_of: tuple[Fingerprint | None, bytes] = (None, b"")
         self._stage_bytes = config.shm_stage_bytes
+        #: more processes share this host's memory than it has CPUs (see `_run`)
+        self._crowded = False
+        self._all_local = False  # the view's whole group shares this host's memory
         self.plane = SameHost(
             enabled=config.shm,
             stage_bytes=config.shm_stage_bytes,
@@ -61,12 +65,15 @@ class ShmHook:
         assert rank is not None
         members = [HostMember(m.id, _where(m), m.host_id, m.pid) for m in view.members]
         self.plane.set_view(view.epoch, members, rank)
+        local = self.plane.local_ranks
+        self._all_local = self.plane.all_local
+        self._crowded = len({members[r].pid for r in local}) > _cpus()
 
     def claim(self, be: ArrayBackend) -> bool:
         """Whether the call being planned (on arrays of this backend) runs in shared
         memory; the answer depends only on the view and the array type, so every rank
         gives the same. If so, the call takes its turn (see `_wait_turn`)."""
-        return _is_numpy(be) and self.plane.all_local and self._take_turn()
+        return self._all_local and _is_numpy(be) and self._take_turn()
 
     def claim_hierarchical(self, be: ArrayBackend) -> bool:
         """Like `claim`, for a hierarchical all_reduce (several hosts, as many ranks each)."""
@@ -80,6 +87,8 @@ class ShmHook:
     async def _wait_turn(self, call: Call) -> None:
         """Wait until this rank's earlier shared-memory calls are over: the link runs one
         call at a time, in collective order on every rank, while TCP calls may overlap."""
+        if self._claimed and self._claimed[0] == (call.epoch, call.cid):
+            return  # the usual case: no earlier call claimed the link
         while True:
             live = self._table.calls
             self._claimed = [key for key in self._claimed if key in live]
@@ -168,6 +177,12 @@ class ShmHook:
             return _mismatch(call, peer, theirs)
 
         await self._wait_turn(call)
+        if self._crowded:
+            # Fewer CPUs than ranks: a peer on this CPU may still be finishing the
+            # previous call (it saw the last sync after us). Let it finish before our
+            # work for this one; else it finishes only once we wait, and the call ends
+            # on every rank a whole call's work later.
+            os.sched_yield()
         self.plane.cut = self._table.links.cut  # fault injection (dsml.testing), else None
         try:
             return await self.plane.run(
@@ -213,6 +228,14 @@ def _count_wait(phase: int, seconds: float) -> None:
             record.waiting_s += seconds
         else:
             record.wire_s += seconds
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _is_numpy(be: ArrayBackend) -> bool:

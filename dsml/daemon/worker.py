@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-from ..communicator import init
+from ..communicator import Communicator, init
 from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, ProtocolError
 from ..membership import open_registry
@@ -346,31 +346,57 @@ class WorkerDaemon:
             bind=f"tcp://{self._host}:0",
             curve=self.config.curve,
         )
-        async with init(
+        comm = await init(
             group,
             job.spec.world_size,
             rank=job.spec.rank,
             name=self.name,
             device=self.config.device,
             config=comm_config,
-        ) as comm:
-            try:
-                result = fn(comm, *args)
-                if inspect.isawaitable(result):
-                    result = await result
-            except BaseException as exc:
-                # Leaving the group (telling the peers) takes a moment, in which the client,
-                # told of the failure by a peer, may cancel this job: report `exc` anyway,
-                # the root cause, not the cancellation of its cleanup.
-                if not isinstance(exc, asyncio.CancelledError):
-                    job.failure = exc
-                raise
-            return result
+        )
+        try:
+            result = fn(comm, *args)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException as exc:
+            # Leaving the group (telling the peers) takes a moment, in which the client,
+            # told of the failure by a peer, may cancel this job: report `exc` anyway,
+            # the root cause, not the cancellation of its cleanup.
+            if not isinstance(exc, asyncio.CancelledError):
+                job.failure = exc
+            error = exc if isinstance(exc, Exception) else None
+            await _close_fully(comm, error=error, cancel=True)
+            raise
+        await _close_fully(comm, error=None, cancel=False)
+        return result
 
     def __repr__(self) -> str:
         state = f"busy with {self._job.spec.job}" if self._job else "idle"
         address = self._endpoint.address if self._endpoint else "unbound"
         return f"<WorkerDaemon {self.name} {address} {state} jobs_done={self.jobs_done}>"
+
+
+async def _close_fully(comm: Communicator, *, error: Exception | None, cancel: bool) -> None:
+    """Close a job's communicator to the end, even if the job is cancelled meanwhile.
+
+    A failed job is often cancelled while it closes (the client cancels the other ranks
+    as soon as the first one reports); cut short, the close would leave the communicator's
+    sockets, heartbeat thread and shared-memory mappings behind in this long-lived
+    process, a few with every such job. The close is bounded (its waits have timeouts),
+    so the cancellation is honoured (re-raised) right after it.
+    """
+    closing = asyncio.ensure_future(comm.aclose(error=error, cancel=cancel))
+    cancelled = False
+    while not closing.done():
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not closing.cancelled() and closing.exception() is not None:
+            log.debug("closing a cancelled job's communicator failed", exc_info=closing.exception())
+        raise asyncio.CancelledError
+    closing.result()
 
 
 def _check_sizes(frames: Sequence[Any], limit: int) -> None:

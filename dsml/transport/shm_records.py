@@ -10,10 +10,8 @@ call's record by its collective id.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+import struct
+from typing import Any, NamedTuple
 
 __all__ = ["RECORD_AT", "Record", "find_record", "write_record"]
 
@@ -21,10 +19,15 @@ RECORD_BYTES = 512
 RECORD_AT = (128, 640)  # byte offsets of the two slots in the control segment's header
 _HEAD = 32  # int64 cid, ok, fingerprint length, data generation
 FP_MAX = RECORD_BYTES - _HEAD
+# Native int64s ('@'): struct copies each whole, so a peer never reads a cid half written
+# (the standard sizes, '<' or '=', are written byte by byte). Offsets are 8-aligned.
+_CID = struct.Struct("@q")
+_REST = struct.Struct("@qqq")  # ok, fingerprint length, data generation
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(NamedTuple):
+    """One rank's entry record (a tuple: made on every call, so cheap to build)."""
+
     cid: int
     ok: bool
     fingerprint: bytes
@@ -32,30 +35,24 @@ class Record:
 
 
 def write_record(buffer: Any, slot: int, record: Record) -> None:
-    """Write a record into a slot (the cid last, so a reader never sees it half done)."""
+    """Write a record into a slot (the cid last, so a reader never sees it half done).
+
+    `buffer` is a writable buffer (a control segment's bytes)."""
     fingerprint = record.fingerprint
     if len(fingerprint) > FP_MAX:
         fingerprint = b"#" + hashlib.blake2b(fingerprint, digest_size=32).digest()
     at = RECORD_AT[slot]
-    raw = _bytes(buffer)
-    raw[at + _HEAD : at + _HEAD + len(fingerprint)] = np.frombuffer(fingerprint, np.uint8)
-    head = raw[at : at + _HEAD].view(np.int64)
-    head[1], head[2], head[3] = int(record.ok), len(fingerprint), record.gen
-    head[0] = record.cid
+    memoryview(buffer)[at + _HEAD : at + _HEAD + len(fingerprint)] = fingerprint
+    _REST.pack_into(buffer, at + 8, int(record.ok), len(fingerprint), record.gen)
+    _CID.pack_into(buffer, at, record.cid)
 
 
 def find_record(buffer: Any, cid: int) -> tuple[int, Record] | None:
     """(slot, record) of call cid in a control segment, or None."""
-    raw = _bytes(buffer)
     for slot, at in enumerate(RECORD_AT):
-        head = raw[at : at + _HEAD].view(np.int64)
-        if int(head[0]) == cid:
-            length = min(int(head[2]), FP_MAX + 1)
-            fingerprint = raw[at + _HEAD : at + _HEAD + length].tobytes()
-            return slot, Record(cid, bool(head[1]), fingerprint, int(head[3]))
+        if _CID.unpack_from(buffer, at)[0] == cid:  # read first: the writer writes it last
+            ok, length, gen = _REST.unpack_from(buffer, at + 8)
+            length = min(length, FP_MAX + 1)
+            fingerprint = bytes(memoryview(buffer)[at + _HEAD : at + _HEAD + length])
+            return slot, Record(cid, bool(ok), fingerprint, gen)
     return None
-
-
-def _bytes(buffer: Any) -> Any:
-    """The buffer as uint8 (as is when it already is a numpy array)."""
-    return buffer if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, np.uint8)

@@ -53,10 +53,10 @@ _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 _NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _FULL_POLL_S = 0.001  # re-try interval of a send that found the queue full (rare)
 _monitor_ids = itertools.count()  # names of the monitors that watch endpoints close
-#: Longest wait for ZeroMQ to destroy a closed endpoint: milliseconds in practice, but a
-#: daemon job whose peers all closed right after connecting (shared memory carried the
-#: call) has seen one outlive 5 s, holding its job busy that long. Past the wait, close
-#: returns; a caller rebinding that port at once may then find it taken a moment longer.
+#: Longest wait for ZeroMQ to destroy a closed endpoint: milliseconds in practice (the
+#: waits of seconds once seen in daemon jobs came with the former wait in a thread, which
+#: a cancelled close broke; see `_monitor_stopped`). Past the wait, close returns; a
+#: caller rebinding that port at once may then find it taken a moment longer.
 _CLOSE_WAIT_S = 1.0
 _DROP_LOG_INTERVAL_S = 10.0  # a flood of bad messages: one line per sender per interval
 
@@ -322,7 +322,8 @@ class Endpoint:
 
         zmq_close only hands the socket to ZeroMQ's I/O thread, which closes the listening
         descriptor a moment later (later still on a loaded machine): a caller that rebinds
-        the port, or a test that checks it is free, must not race that.
+        the port, or a test that checks it is free, must not race that. Cancelling the
+        wait is safe: the socket is closed already, only the wait is cut short.
         """
         await self._reader.aclose()
         try:
@@ -331,7 +332,7 @@ class Endpoint:
             self._sock.close(0)
         try:
             # The socket's monitor stops when ZeroMQ destroys the socket, after its listener.
-            await asyncio.to_thread(_wait_monitor_stopped, monitor)
+            await _monitor_stopped(monitor)
         finally:
             monitor.close(0)
 
@@ -354,16 +355,33 @@ def _watch_destruction(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
     return monitor
 
 
-def _wait_monitor_stopped(monitor: zmq.Socket[bytes]) -> None:
-    """Block until `monitor` reports that its socket was destroyed (or _CLOSE_WAIT_S)."""
-    monitor.setsockopt(zmq.RCVTIMEO, int(_CLOSE_WAIT_S * 1000))
-    try:
-        while True:
-            event = monitor.recv_multipart()[0]
+async def _monitor_stopped(monitor: zmq.Socket[bytes]) -> None:
+    """Until `monitor` reports that its socket was destroyed (or _CLOSE_WAIT_S passed).
+
+    Read on the event loop like every other socket, not by a blocking recv in a thread: a
+    cancelled wait (a daemon job cancelled while its communicator closes) would otherwise
+    close the monitor under that thread's recv, and libzmq aborts the whole process
+    ("Assertion failed: pfd.revents & POLLIN (src/signaler.cpp)").
+    """
+    loop = asyncio.get_running_loop()
+    stopped: asyncio.Future[None] = loop.create_future()
+
+    def drain() -> None:  # the descriptor signals edges: read until EVENTS says empty
+        while not stopped.done() and monitor.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            event = monitor.recv_multipart(_NOBLOCK)[0]
             if int.from_bytes(event[:2], "little") == zmq.EVENT_MONITOR_STOPPED:
-                return
-    except zmq.Again:  # rare (see _CLOSE_WAIT_S); a close must not hang on it
+                stopped.set_result(None)
+
+    fd: int = monitor.get(_FD)  # type: ignore[assignment]
+    loop.add_reader(fd, drain)
+    try:
+        drain()  # the event may have come before the reader was added
+        async with asyncio.timeout(_CLOSE_WAIT_S):
+            await stopped
+    except TimeoutError:  # rare (see _CLOSE_WAIT_S); a close must not hang on it
         log.info("a closed socket was not destroyed within %g s", _CLOSE_WAIT_S)
+    finally:
+        loop.remove_reader(fd)
 
 
 class Channel:
