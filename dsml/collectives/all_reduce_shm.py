@@ -8,14 +8,19 @@ Three schedules, chosen by size and group size (the same on every rank):
   P x n reads per rank; the same inputs in the same order give every rank the same bits.
 * pair (two ranks, up to PAIR_BYTES): no slices. Piece by piece (512 KiB), each rank
   copies its input's piece into its staging, one sync, and reduces the piece from its
-  input (still in cache) and the peer's staging, both in rank order, straight into
-  `dst`; one more sync at the end (the peer is done reading). Per rank: n copied in,
-  n read from the peer, n written; K+1 syncs for K pieces. With two operands, a op b and
-  b op a are the same bits, so both ranks end alike. `dst` is written while the call
-  runs, but the staging keeps the whole input (it is never reused within a call), so a
-  failure copies the written part back from there (only when `dst` is `src`): no extra
-  pass unless the call fails. It stages the whole array, so it is kept to arrays whose
-  double in /dev/shm and resident memory are small (16 MiB).
+  input (still in cache) and the peer's staging, in rank order, straight into `dst`;
+  one more sync at the end (the peer is done reading). Per rank: n copied in, n read
+  from the peer, n written; K+1 syncs for K pieces. With two operands a op b and b op a
+  are the same bits, so both ranks end alike. `dst` is written while the call runs, but
+  the staging keeps the whole input (never reused within a call), so a failure copies
+  the written part back from there when `dst` is `src`: no extra pass unless the call
+  fails. Why not the large schedule at two ranks: its two staging buffers are rewritten
+  every other piece while the peer still caches them, which some placements of the two
+  CPUs (a VM's vCPUs far apart: cache-to-cache transfers 5x slower) make about 2x
+  slower; the pair writes each staging line once per call and stays as fast there.
+  The price: the whole input in /dev/shm and about 3x the array in resident memory
+  (against 2.1x), and with both CPUs close it is 0-15% slower than the large schedule
+  at 8-16 MiB (faster up to 4 MiB); so up to 16 MiB only.
 * large: slices, as in a reduce-scatter + all-gather. Rank r owns slice r. The slices go
   through in pieces (512 KiB at 2 ranks, 768 KiB / (P-1) beyond: 256 KiB at 4; two
   pieces' staging within `stage_bytes`). For piece p: every rank copies piece p of its
