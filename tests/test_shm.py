@@ -120,16 +120,18 @@ def _plane(tag: str, rank: int, pids: list[int], **options: Any) -> SameHost:
     return plane
 
 
-def _reduce_worker(tag: str, rank: int, inbox: Any, results: Any, cases: list[Any]) -> None:
+def _reduce_worker(
+    tag: str, rank: int, inbox: Any, results: Any, cases: list[Any], stage: int
+) -> None:
     pids = inbox.get()
-    plane = _plane(tag, rank, pids, stage_bytes=64 << 10)
+    plane = _plane(tag, rank, pids, stage_bytes=stage)
 
     async def run() -> None:
         for cid, (n, dtype, op) in enumerate(cases, start=1):
             x = (np.arange(n) % 13 + rank + 1).astype(dtype)
             fp = f"{n}{dtype}{op}".encode()
             done = await plane.run(
-                cid, fp, lambda g, x=x, op=op: all_reduce_shm(g, x, x, ReduceOp(op), 64 << 10)
+                cid, fp, lambda g, x=x, op=op: all_reduce_shm(g, x, x, ReduceOp(op), stage)
             )
             results.put((rank, cid, done, x.tobytes()))
         plane.close()
@@ -137,18 +139,20 @@ def _reduce_worker(tag: str, rank: int, inbox: Any, results: Any, cases: list[An
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("stage", [64 << 10, 8 << 20])
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_reduce_shm_between_processes_is_exact_small_large_and_in_pieces(
-    tag: str, world: int
+    tag: str, world: int, stage: int
 ) -> None:
-    # 100, 40_000 elements: inline; 300_001, 400_000: several pieces of the 64 KiB stage
+    # 100, 40_000 elements: inline; 300_001, 400_000: several pieces of the 64 KiB stage,
+    # or at 2 ranks with an 8 MiB stage the pair schedule (512 KiB pieces)
     cases = [(100, "int64", "sum"), (40_000, "float32", "max"), (300_001, "int32", "sum")]
     cases += [(400_000, "float32", "max"), (300_000, "float64", "avg")]
     cases += [(0, "float64", "sum"), (5000, "float64", "avg"), (1, "int8", "min")]
     inboxes = [CTX.Queue() for _ in range(world)]
     results = CTX.Queue()
     procs = [
-        CTX.Process(target=_reduce_worker, args=(tag, r, inboxes[r], results, cases))
+        CTX.Process(target=_reduce_worker, args=(tag, r, inboxes[r], results, cases, stage))
         for r in range(world)
     ]
     for p in procs:

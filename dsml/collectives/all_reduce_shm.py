@@ -6,7 +6,9 @@ Three schedules, chosen by size and group size (the same on every rank):
   its input into its inline area, one sync, and every rank reduces the whole array
   itself, reading the peers' inline areas in rank order, straight into `dst`. One sync,
   P x n reads per rank; the same inputs in the same order give every rank the same bits.
-* pair (two ranks, up to PAIR_BYTES): no slices. Piece by piece (512 KiB), each rank
+* pair (two ranks, up to PAIR_BYTES, and only where staging all of the input needs no
+  more room than the large schedule's n/2 results and `stage_bytes` of staging): no
+  slices. Piece by piece (512 KiB), each rank
   copies its input's piece into its staging, one sync, and reduces the piece from its
   input (still in cache) and the peer's staging, in rank order, straight into `dst`;
   one more sync at the end (the peer is done reading). Per rank: n copied in, n read
@@ -88,8 +90,8 @@ async def all_reduce_shm(
     """dst = reduction over the host's ranks of src; False if it could not run here."""
     if src.nbytes <= group.inline_bytes and src.nbytes * group.size <= SMALL_READ_BYTES:
         return await _small(group, src, dst, op)
-    if group.size == 2 and src.nbytes <= PAIR_BYTES:
-        return await _pair(group, src, dst, op)
+    if group.size == 2 and src.nbytes <= min(PAIR_BYTES, stage_bytes + src.nbytes // 2):
+        return await _pair(group, src, dst, op)  # no more room than the large schedule
     return await _large(group, src, dst, op, stage_bytes)
 
 
