@@ -371,6 +371,20 @@ async def test_an_all_reduce_of_more_pieces_than_a_call_has_phases_is_exact() ->
         assert all(c.stats()[-1]["algorithm"] == "shm" for c in comms)
 
 
+async def test_a_broadcast_of_more_pieces_than_a_call_has_phases_is_exact() -> None:
+    """Broadcast syncs twice per piece of the staging budget: 2 MiB (past the 1 MiB inline
+    area) through a 4 KiB stage would take 1024 syncs, more than a call's phase counter
+    holds; pieces grow instead."""
+    config = dsml.CommConfig(shm_stage_bytes=4096)
+    async with open_local_cluster(3, config=config) as comms:
+        xs = [np.full(1 << 19, r, np.float32) for r in range(3)]
+        xs[2][:] = np.arange(1 << 19) % 101
+        await asyncio.gather(*(c.broadcast(x, root=2) for c, x in zip(comms, xs, strict=True)))
+        for x in xs:
+            np.testing.assert_array_equal(x, np.arange(1 << 19) % 101)
+        assert all(c._shm.plane.calls == 1 for c in comms)  # in shared memory
+
+
 @pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 1), (2, 3)])
 async def test_hierarchical_all_reduce_over_hosts_is_exact(
     monkeypatch: pytest.MonkeyPatch, hosts: int, per_host: int

@@ -6,7 +6,8 @@ its TCP algorithm instead. Costs, P ranks and n bytes:
 
 * `broadcast_shm`: the root writes its array into its inline area (small) or, piece by
   piece, its staging area; the others copy it out. n written once, read P-1 times; one
-  sync when small, two per piece otherwise.
+  sync when small, two per piece otherwise (pieces of `stage_bytes`, larger past
+  MAX_PIECES / 2 of them).
 * `all_gather_shm`: every rank writes its row count and block (inline when it fits, else
   staging), sync, every rank copies every block into the result, sync. Blocks may differ
   in rows; each must fit one staging area.
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .all_reduce_shm import reduce_into, reduce_slices, results
+from .all_reduce_shm import MAX_PIECES, reduce_into, reduce_slices, results
 from .arrays import Array
 from .ops import ReduceOp
 from .shm_group import ShmGroup, staging
@@ -42,7 +43,9 @@ async def broadcast_shm(group: ShmGroup, buf: Array, root: int, stage_bytes: int
         if not is_root:
             data[:] = group.inline(root)[:nbytes]
         return True
-    piece = max(buf.dtype.itemsize, min(nbytes, stage_bytes))
+    # Two syncs per piece: past MAX_PIECES / 2 pieces of the budget, pieces grow so the
+    # call's phases fit the link's progress word (see all_reduce_shm.MAX_PIECES).
+    piece = max(buf.dtype.itemsize, min(nbytes, stage_bytes), -(-nbytes // (MAX_PIECES // 2)))
     room = group.reserve(0, piece) if is_root else True
     for lo in range(0, nbytes, piece):
         hi = min(lo + piece, nbytes)
