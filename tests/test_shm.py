@@ -1,6 +1,6 @@
 """The same-host shared-memory path: segments, the link, the algorithms, the communicator.
 
-Segment and link tests run real processes (forked with multiprocessing) over real
+Segment and link tests run real processes (started by a multiprocessing fork server) over real
 /dev/shm segments; communicator tests run an in-process cluster, whose members all share
 this host, so `auto` runs in shared memory. Names are unique per test (member ids carry
 the test's PID and a counter), and every test checks that it left no /dev/shm file.
@@ -41,7 +41,11 @@ from dsml.testing import crash, open_local_cluster
 from dsml.transport.shm_segment import SHM_DIR, Segment, segment_name, sweep_orphans
 
 _COUNTER = itertools.count()
-CTX = mp.get_context("fork")
+# Not "fork": by the time these tests run, other tests have imported JAX (threads), and a
+# forked child of a threaded process may deadlock. The fork server starts clean, with the
+# modules the children use loaded once.
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["numpy", "dsml", __name__])
 
 
 def unique() -> str:
@@ -54,7 +58,7 @@ def leftovers(tag: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def shm_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shared memory is opt-in in this release: every communicator here turns it on."""
+    """Shared memory on for every communicator here, whatever the environment says."""
     monkeypatch.setenv("DSML_SHM", "1")
 
 
