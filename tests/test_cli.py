@@ -114,6 +114,43 @@ def test_run_keeps_a_thread_count_the_user_chose():
     assert result.stdout.count('"OMP_NUM_THREADS": "3"') == 2
 
 
+def _cpus_of_ranks(n: int, cpus: set[int], *bind: str) -> dict[int, list[int]]:
+    """Run show_cpus.py as n ranks from a launcher restricted to `cpus`."""
+    result = subprocess.run(
+        [*DSML, "run", "-n", str(n), *bind, str(SCRIPTS / "show_cpus.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines()]
+    return {row["rank"]: row["cpus"] for row in rows}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_run_binds_ranks_to_one_cpu_each_only_when_they_outnumber_the_cpus():
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    n = len(cpus) + 1  # more ranks than CPUs: rank i on CPU i modulo their number
+    assert _cpus_of_ranks(n, set(cpus)) == {i: [cpus[i % len(cpus)]] for i in range(n)}
+    unbound = _cpus_of_ranks(n, set(cpus), "--cpu-bind", "none")
+    assert unbound == dict.fromkeys(range(n), cpus)
+    assert _cpus_of_ranks(1, set(cpus)) == {0: cpus}  # as many CPUs as ranks: left alone
+
+
+def test_spread_gives_each_of_fewer_ranks_its_own_block_of_cpus(monkeypatch):
+    from dsml.cli import launcher
+
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+    assert launcher.cpu_sets(3, "spread") == [{0, 1}, {2, 3}, {4, 5}]
+    assert launcher.cpu_sets(3, "auto") is None
+    assert launcher.cpu_sets(9, "auto") == [{i % 7} for i in range(9)]
+    assert launcher.cpu_sets(9, "none") is None
+    with pytest.raises(ValueError, match="cpu_bind must be one of"):
+        launcher.cpu_sets(2, "cores")
+
+
 def test_a_failing_rank_stops_the_job_and_is_named_with_its_error():
     start = time.monotonic()
     result = dsml_cmd("run", "-n", "4", str(SCRIPTS / "fail_on_rank.py"), env={"FAIL_RANK": "2"})

@@ -21,6 +21,7 @@ from typing import Any
 from ..collectives import ALL_REDUCE_ALGORITHMS, DTYPES, check_algorithm, check_op
 from ..config import parse_size
 from ..errors import ConfigError
+from .launcher import CPU_BIND
 from .run import check_device, launch
 
 __all__ = ["add_parser", "format_table"]
@@ -57,6 +58,12 @@ def add_parser(sub: Any) -> None:
         help="cpu (numpy arrays) or cuda (cupy arrays, rank i on GPU i modulo the GPU count)",
     )
     parser.add_argument("--registry", help="an existing registry (default: embedded)")
+    parser.add_argument(
+        "--cpu-bind",
+        choices=CPU_BIND,
+        default="auto",
+        help="as for dsml run (default: %(default)s: bound only with more ranks than CPUs)",
+    )
     parser.add_argument(
         "--json",
         action="store_true",
@@ -107,7 +114,16 @@ def _main(args: argparse.Namespace) -> int:
 
     if not args.json:
         print(header(args.nprocs, args.op, args.dtype, device or "cpu"), flush=True)
-    code = asyncio.run(launch(argv, args.nprocs, args.registry, on_line=on_line, device=device))
+    code = asyncio.run(
+        launch(
+            argv,
+            args.nprocs,
+            args.registry,
+            on_line=on_line,
+            device=device,
+            cpu_bind=args.cpu_bind,
+        )
+    )
     if args.json:  # also after a failure: the sizes measured until then
         print(json.dumps(rows, indent=2))
     if code != 0:

@@ -27,7 +27,7 @@ from ..errors import ConfigError, DsmlError
 from ..membership import Registry, open_registry, query_status
 from ..transport import Curve
 from ..transport.addresses import is_local_address, resolve_host
-from .launcher import Launch
+from .launcher import CPU_BIND, Launch
 from .nodes import NodeBoard, NodeLink, NodeShape, link_address
 
 __all__ = ["add_parser", "launch", "launch_node"]
@@ -68,6 +68,14 @@ def add_parser(sub: Any) -> None:
         "--device",
         help="cpu, cuda (rank i gets GPU i modulo the GPU count) or cuda:N; sets DSML_DEVICE",
     )
+    parser.add_argument(
+        "--cpu-bind",
+        choices=CPU_BIND,
+        default="auto",
+        help="auto: with more ranks than CPUs, bind rank i to CPU i modulo their number; "
+        "spread: also give each of fewer ranks its own block of CPUs; none: never bind "
+        "(default: %(default)s)",
+    )
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead")
     parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -92,7 +100,7 @@ def _main(args: argparse.Namespace) -> int:
         print("dsml run: give a SCRIPT (or -m MODULE)", file=sys.stderr)
         return 2
     device = check_device(args.device)
-    options: dict[str, Any] = {"grace_s": args.grace, "device": device}
+    options: dict[str, Any] = {"grace_s": args.grace, "device": device, "cpu_bind": args.cpu_bind}
     if args.curve_keys:
         options["curve_keys"] = args.curve_keys
     if args.nnodes is None:
