@@ -31,6 +31,7 @@ generation it mapped into its own control segment), so a crash leaves no file be
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -515,8 +516,13 @@ class ShmLink:
         self._raw = [None] * self.size
         self._records = {}
         self._areas = [None] * self.size
-        for seg in [*self._control, *self._data]:
-            if seg is not None:
+        held = [seg for seg in [*self._control, *self._data] if seg and not seg.close()]
+        if held:
+            # Views still alive: most often locals of a failed call's traceback, which is
+            # a reference cycle; collect it now rather than keep each map's descriptor
+            # until the cyclic GC happens to run (a daemon worker runs job after job).
+            gc.collect()
+            for seg in held:
                 seg.close()
         self._control = [None] * self.size
         self._data = [None] * self.size

@@ -139,11 +139,15 @@ class Segment:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(SHM_DIR / self.name)
 
-    def close(self) -> None:
-        """Remove the name if it is ours, and unmap (views into it must be gone)."""
+    def close(self) -> bool:
+        """Remove the name if it is ours, and unmap; False while a view into it is alive
+        (then it is unmapped, and its descriptor closed, with the last view)."""
         self.unlink()
-        with contextlib.suppress(BufferError):  # a view is alive: unmapped with the last one
+        try:
             self.map.close()
+        except BufferError:
+            return False
+        return True
 
     def __repr__(self) -> str:
         state = "linked" if self.linked else "unlinked"
