@@ -43,27 +43,32 @@ class CommunicatorGroups(CommunicatorCalls):
         concurrently with this communicator's; a lost member fails the calls of both, and
         after a change of view the sub-communicator refuses calls (split again).
 
+        A sub-communicator splits the same way (a nested split): every rank of it calls
+        `split`, colours and keys order its ranks, and the groups made close with it.
+
         Raises:
             ConfigError: on every rank, if any rank passed an invalid color or key.
         """
         index = self._take_split()
         valid = subgroups.check_split_args(color, key)
-        row = [int(valid), int(color is not None and valid), 0, 0]
+        row = [int(valid), int(color is not None and valid), 0, 0, self._reserve_number()]
         if valid:
             row[2], row[3] = color or 0, key or 0
-        rows = await self.all_gather(np.array([row], dtype=np.int64), timeout=timeout)
+        gathered = await self.all_gather(np.array([row], dtype=np.int64), timeout=timeout)
+        rows = gathered.tolist()
         self._check_same_view(len(rows))
-        bad = [r for r, (ok, *_rest) in enumerate(rows.tolist()) if not ok]
+        bad = [r for r, (ok, *_rest) in enumerate(rows) if not ok]
         if bad:
             raise ConfigError(
                 f"comm.split: rank(s) {bad} passed an invalid color or key (color: an int >= 0 "
                 "or None; key: an int or None); no sub-communicator was made"
             )
-        mine = subgroups.split_members([r[1:] for r in rows.tolist()], self._links.rank)
+        mine = subgroups.split_members([r[1:4] for r in rows], self._links.rank)
         if mine is None:
             return None
         color_index, members = mine
-        return self._sub(subgroups.group_id(index, color_index), members)
+        leader = members[0]  # its reserved number names the group (nested splits)
+        return self._sub(self._number(index, color_index, leader, rows[leader][4]), members)
 
     async def new_group(
         self,
@@ -73,7 +78,8 @@ class CommunicatorGroups(CommunicatorCalls):
     ) -> Communicator | None:
         """A sub-communicator of `ranks` (sub-rank i is ranks[i]); None on other ranks.
 
-        Every rank calls it with the same list (it is a collective).
+        Every rank calls it with the same list (it is a collective). On a
+        sub-communicator, `ranks` are its own ranks (a nested group).
 
         Raises:
             ConfigError: on every rank, if the lists differ or one is invalid.
@@ -85,28 +91,24 @@ class CommunicatorGroups(CommunicatorCalls):
             and all(type(r) is int and 0 <= r < self.world_size for r in members)
             and len(set(members)) == len(members)
         )
-        row = np.array([int(valid), *(members if valid else [])], dtype=np.int64)
-        flat = (await self.all_gather(row, timeout=timeout)).tolist()
-        self._check_same_view(self._links.size)
-        lists, at = [], 0
-        for _ in range(self.world_size):  # each rank's row: valid, then its ranks if valid
-            ok = flat[at]
-            count = len(members) if ok and valid else 0
-            if ok and not valid:
-                raise ConfigError(
-                    f"comm.new_group: rank {self.rank} passed an invalid list {ranks!r} "
-                    f"(distinct ranks in 0..{self.world_size - 1}); no group was made"
-                )
-            lists.append(flat[at + 1 : at + 1 + count] if ok else None)
-            at += 1 + count
-        if at != len(flat) or any(other != members for other in lists):
+        row = [int(valid), self._reserve_number(), *(members if valid else [])]
+        sized = np.array([1 + len(row), *row], dtype=np.int64)  # rows' lengths differ
+        rows = subgroups.unpack_rows((await self.all_gather(sized, timeout=timeout)).tolist())
+        self._check_same_view(len(rows))
+        if not valid:
+            raise ConfigError(
+                f"comm.new_group: rank {self.rank} passed an invalid list {ranks!r} "
+                f"(distinct ranks in 0..{self.world_size - 1}); no group was made"
+            )
+        if any(not ok or theirs != members for ok, _reserved, *theirs in rows):
             raise ConfigError(
                 "comm.new_group: the ranks did not all pass the same valid list of ranks "
                 f"(this rank passed {ranks!r}); no group was made"
             )
         if self._links.rank not in members:
             return None
-        return self._sub(subgroups.group_id(index, 0), members)
+        leader = members[0]
+        return self._sub(self._number(index, 0, leader, rows[leader][1]), members)
 
     def _check_same_view(self, gathered: int) -> None:
         """The group must not have changed between the all_gather and making the group."""
@@ -119,10 +121,29 @@ class CommunicatorGroups(CommunicatorCalls):
             )
 
     def _take_split(self) -> int:
-        if isinstance(self._links, subgroups.SubLinks):
-            raise ConfigError("a sub-communicator cannot be split again: split its parent instead")
         self._splits += 1
         return self._splits
+
+    # How sub-groups are numbered and whose ranks they hold: the root communicator's
+    # answers; a sub-communicator (nested splits) overrides them.
+
+    @property
+    def _root(self) -> Communicator:
+        """The communicator whose links and demultiplexer every sub-group uses."""
+        return cast("Communicator", self)
+
+    def _root_ranks(self, ranks: Sequence[int]) -> list[int]:
+        """`ranks` of this communicator as the root's ranks."""
+        return list(ranks)
+
+    def _reserve_number(self) -> int:
+        """This rank's contribution to numbering the groups of a split (see subgroups.py)."""
+        return 0
+
+    def _number(self, index: int, color_index: int, leader: int, reserved: int) -> int:
+        """The number of the group of colour `color_index` of split #`index`, led by rank
+        `leader`, which reserved `reserved`: the same on its members, unique on each."""
+        return subgroups.group_id(index, color_index)
 
     def _sub(self, group: int, members: list[int]) -> Communicator:
         from .sub_communicator import SubCommunicator

@@ -89,6 +89,7 @@ class Communicator(CommunicatorGroups):
         self._loop = loop
         self._demux = Demux(self._table.inbound)  # the parent's messages, and sub-groups'
         self._splits = 0  # split/new_group calls so far: numbers sub-groups alike everywhere
+        self._nested_groups = 0  # numbers this rank reserved for nested splits (subgroups.py)
         self._subs: list[Communicator] = []
         self._views.listeners.append(lambda _old, _new: self._demux.new_epoch())
 

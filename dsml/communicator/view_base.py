@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EvictedError, NoQuorumError, PeerLostError
+from ..errors import DsmlError, EvictedError, NoQuorumError, PeerLostError
 from ..membership import RegistryClient, View
 from .call import Call
 from .call_table import CallTable
@@ -112,7 +112,33 @@ class ViewBase:
 
     # -- errors ---------------------------------------------------------------------------------
 
-    def _lost_error(self, call: Call | None) -> PeerLostError:
+    def sub_group_error(self) -> DsmlError | None:
+        """The error a sub-group's call fails with while the installed epoch is broken
+        (members lost, no quorum, this rank evicted); None while it is whole.
+
+        Sub-groups end with their epoch: unlike this rank's own calls, theirs never move
+        to the survivors' view, so each fails at once instead of waiting for lost peers.
+        """
+        state = self.state
+        if state is ViewState.EVICTED:
+            return self._evicted_error(None)
+        if state is ViewState.NO_QUORUM:
+            return self._no_quorum_error(None)
+        if state is not ViewState.MEMBER_LOST:
+            return None
+        lost, epoch, names = self._lost()
+        return PeerLostError(
+            f"a sub-communicator's call did not run on root rank {self.links.rank}: the "
+            f"group of epoch {epoch} lost {names or 'a member'}. Inputs are unchanged. "
+            "Sub-communicators end with their epoch: once the survivors' view is in place "
+            "(the root communicator's next call moves to it), split again",
+            lost=sorted(r for r in lost if r >= 0),
+            rank=self.links.rank,
+            epoch=epoch,
+        )
+
+    def _lost(self) -> tuple[dict[int, str], int, str]:
+        """(rank -> how it was lost, the broken epoch, the lost members described)."""
         broken = self._broken
         lost = dict(broken.lost) if broken is not None else {}
         epoch = broken.epoch if broken is not None else self.links.epoch
@@ -123,6 +149,10 @@ class ViewBase:
             else why
             for r, why in sorted(lost.items())
         )
+        return lost, epoch, names
+
+    def _lost_error(self, call: Call | None) -> PeerLostError:
+        lost, epoch, names = self._lost()
         what = (
             f"collective #{call.cid} {call.fingerprint.describe()}"
             if call is not None and call.cid
