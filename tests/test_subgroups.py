@@ -5,6 +5,11 @@ and splits of sub-communicators (nested splits)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -329,3 +334,91 @@ async def test_closing_a_sub_communicator_closes_its_nested_groups_and_the_rest_
         again = await cluster.run(lambda c: c.split(0))
         results = await asyncio.gather(*(s.all_reduce(np.ones(2)) for s in again))
         assert all((r == 3).all() for r in results)
+
+
+NESTED_SCRIPT = Path(__file__).resolve().parent / "scripts" / "nested_split.py"
+
+
+def _events(proc: subprocess.Popen[str]) -> list[dict]:
+    assert proc.stdout is not None
+    return [json.loads(line) for line in proc.stdout if line.startswith("{")]
+
+
+@pytest.mark.multiprocess
+def test_processes_split_a_split_and_a_kill_9_fails_nested_calls_on_every_survivor(tmp_path):
+    """Four processes (tests/scripts/nested_split.py); rank 3 is killed with SIGKILL while
+    rank 1's nested all_reduce waits for it."""
+    root = NESTED_SCRIPT.parent.parent.parent
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "dsml", "registry", "--address", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "registry.err").open("w"),
+        text=True,
+        cwd=root,
+    )
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        assert registry.stdout is not None
+        address = registry.stdout.readline().split()[4]
+        for i in range(4):
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, str(NESTED_SCRIPT), "--registry", address],
+                    stdout=subprocess.PIPE,
+                    stderr=(tmp_path / f"worker{i}.err").open("w"),
+                    text=True,
+                    cwd=root,
+                )
+            )
+        ranks, ready = {}, set()
+        for proc in workers:  # each prints joined, exact, ready before it waits
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                event = json.loads(line)
+                if event["event"] == "joined":
+                    ranks[event["rank"]] = proc
+                if event["event"] == "exact":
+                    members = event["members"]  # sub-ranks of one parity; sub-rank = 3 - rank
+                    assert members == ([3, 1] if event["rank"] % 2 else [2, 0]), event
+                    assert event["total"] == sum(r + 1 for r in members), event
+                if event["event"] == "ready":
+                    ready.add(event["rank"])
+                    break
+        assert ready == {0, 1, 2, 3}
+        ranks[3].send_signal(signal.SIGKILL)
+        ranks[3].wait(timeout=10)
+        survivors = {rank: ranks[rank] for rank in (0, 1, 2)}
+        for proc in survivors.values():
+            proc.wait(timeout=45)
+        logs = {r: _events(p) for r, p in survivors.items()}
+        errors = {
+            r: (tmp_path / f"worker{workers.index(p)}.err").read_text()[-2000:]
+            for r, p in survivors.items()
+        }
+        assert all(p.returncode == 0 for p in survivors.values()), errors
+        for rank, events in logs.items():
+            steps = {e["step"]: e["type"] for e in events if e["event"] == "outcome"}
+            expected = {
+                "nested split": "PeerLostError",
+                "root call 1": "PeerLostError",  # the root's program sees the loss once
+                "root call 2": "ok",
+            }
+            if rank == 1:
+                expected["nested call in flight"] = "PeerLostError"
+            assert steps == expected, (rank, events)
+            (after,) = [e for e in events if e["event"] == "after"]
+            assert after["rank"] in after["members"]
+            assert after["total"] == sum(r + 1 for r in after["members"]), after
+        groups = {tuple(e["members"]) for es in logs.values() for e in es if e["event"] == "after"}
+        assert sorted(r for g in groups for r in g) == [0, 1, 2]
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        registry.send_signal(signal.SIGTERM)
+        try:
+            registry.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            registry.kill()
+            registry.wait(timeout=10)
