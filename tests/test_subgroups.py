@@ -422,3 +422,23 @@ def test_processes_split_a_split_and_a_kill_9_fails_nested_calls_on_every_surviv
         except subprocess.TimeoutExpired:
             registry.kill()
             registry.wait(timeout=10)
+
+
+def test_numbers_of_root_and_nested_sub_groups_never_meet_and_fit_a_stamped_id():
+    from dsml.communicator import subgroups
+
+    top = {subgroups.group_id(k, i) for k in (1, 2, (1 << 14) - 1) for i in (0, 1, 0xFFFE)}
+    assert len(top) == 9
+    assert max(top) < subgroups.NESTED
+    for world in (1, 2, 3, 7):
+        nested = {subgroups.nested_group_id(r, c, world) for r in range(world) for c in range(50)}
+        assert len(nested) == 50 * world
+        assert min(nested) >= subgroups.NESTED
+        most = (subgroups.NESTED - world) // world  # the last reservation that fits
+        last = subgroups.nested_group_id(world - 1, most, world)
+        assert (last << subgroups.GROUP_SHIFT | 0xFFFFFFFF) < 1 << 63  # a valid envelope cid
+        with pytest.raises(ConfigError, match="ran out"):
+            subgroups.nested_group_id(world - 1, most + 1, world)
+    with pytest.raises(ConfigError, match="split at most"):
+        subgroups.group_id(1 << 14, 0)
+    assert subgroups.unpack_rows([3, 1, 7, 1, 4, 0, 5, 9]) == [[1, 7], [], [0, 5, 9]]
