@@ -1,6 +1,7 @@
 """Communicator layer: binds a view and the transport into a Group for every call.
 
-Public methods, fingerprints, aborts, timeouts; see `communicator.py` for the API.
+Public methods, fingerprints, aborts, timeouts; see `communicator.py` for the API (its
+parts: `comm_info.py`, `comm_calls.py`, `comm_groups.py`).
 """
 
 from .collective_handle import CollectiveHandle

@@ -160,14 +160,15 @@ class CallTable:
         )
 
     def fail_all(self, make_error: Callable[[Call], BaseException], after: int = 0) -> int:
-        """Fail every call in flight numbered above `after`, and every receive; returns
-        how many failed."""
+        """Fail every call in flight numbered above `after`, and every receive, here and in
+        the sub-groups' tables; returns how many of this table's own failed (a sub-group's
+        failed call is not one of this rank's program: its next call still owes the loss)."""
         failed = 0
         for call in [*self.calls.values(), *self.receives]:
             if (call.cid > after or call in self.receives) and call.failure is None:
                 failed += call.fail(make_error(call))
         for child in self.children:
-            failed += child.fail_all(make_error)
+            child.fail_all(make_error)
         return failed
 
     async def probe(self, call: Call) -> dict[int, int | None]:

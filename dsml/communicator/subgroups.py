@@ -9,13 +9,23 @@ the parent's call table, routes arriving messages by those bits and maps the sen
 to its sub-rank. Messages for a sub-group this rank has not made yet (a peer finished the
 split first) are held, within a budget, until it exists.
 
-Group numbers need no message: the k-th split (or new_group) of a parent numbers its
-colours in sorted order, `group_id(k, i)`, the same on every rank.
+Group numbers need no message of their own: the k-th split (or new_group) of a parent
+numbers its colours in sorted order, `group_id(k, i)`, the same on every rank.
 
-A sub-communicator lives in its parent's epoch. A failure of the parent's calls (a member
-lost, this rank evicted) fails the sub-groups' calls too (`CallTable.children`): a
-member's death fails both. Once the parent has moved to a new view, a sub-communicator of
-the old one refuses calls with `MembershipChangedError`: split again.
+A sub-communicator can be split again (a nested split). The nested group is a sub-group
+of the root communicator like any other: its `SubLinks` go straight through the root's
+links, with its members as the root's ranks, and the root's `Demux` routes its messages.
+Its number comes from the split's all_gather: every rank reserves a number of its own for
+each nested split it takes part in, and a group's number is `nested_group_id` of its rank
+0 (as a root rank) and what that rank reserved. A rank leads at most one group per split
+and never reserves a number twice, so no two groups of a rank share a number, whatever
+order concurrent splits of different sub-communicators run in.
+
+A sub-communicator lives in its root's epoch. A failure of the root's calls (a member
+lost, this rank evicted) fails the sub-groups' calls too, nested ones included
+(`CallTable.children`): a member's death fails all of them. Once the root has moved to a
+new view, a sub-communicator of the old one refuses calls with `MembershipChangedError`:
+split again.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import ConfigError, MembershipChangedError, ProtocolError
+from ..errors import ConfigError, DsmlError, MembershipChangedError, ProtocolError
 from ..membership import View
 from ..transport import Sent
 from ..wire import Envelope, Kind
@@ -35,17 +45,65 @@ from .tasks import TaskOwner
 if TYPE_CHECKING:
     from .view_changes import ViewChanges
 
-__all__ = ["GROUP_SHIFT", "Demux", "SubLinks", "SubViews", "group_id", "split_members"]
+__all__ = [
+    "GROUP_SHIFT",
+    "NESTED",
+    "Demux",
+    "SubLinks",
+    "SubViews",
+    "group_id",
+    "nested_group_id",
+    "split_members",
+    "unpack_rows",
+]
 
 GROUP_SHIFT = 32  # a sub-group's own collective ids stay below 2**32
 _LOCAL = (1 << GROUP_SHIFT) - 1
+NESTED = 1 << 30  # numbers of nested sub-groups start here; the root's are below
+_MAX_GROUP = (1 << 31) - 1  # a stamped id, group << 32 | cid, stays a positive int64
+_MAX_SPLITS = NESTED >> 16  # splits of one root communicator that `group_id` can number
 _MAX_EARLY = 10_000  # messages held for sub-groups this rank has not made yet ...
 _MAX_EARLY_BYTES = 256 << 20  # ... and their payload bytes
 
 
 def group_id(split_index: int, color_index: int) -> int:
     """The number of a sub-group: its parent's split counter and the colour's position."""
+    if split_index >= _MAX_SPLITS or color_index >= 0xFFFF:
+        raise ConfigError(
+            f"a communicator can be split at most {_MAX_SPLITS - 1} times, into at most "
+            f"{0xFFFF} groups each (this is split #{split_index}, group #{color_index + 1}); "
+            "close and re-create the communicator to start again"
+        )
     return (split_index << 16) | (color_index + 1)
+
+
+def nested_group_id(leader: int, reserved: int, root_size: int) -> int:
+    """The number of a group made by splitting a sub-communicator (see the module docstring).
+
+    `leader` is the root rank of the new group's rank 0, `reserved` the number that rank
+    reserved for this split, `root_size` the size of the root communicator's view.
+    """
+    assert 0 <= leader < root_size
+    assert reserved >= 0
+    number = NESTED + reserved * root_size + leader
+    if number > _MAX_GROUP:
+        raise ConfigError(
+            f"rank {leader} took part in {reserved} nested splits: the numbers for nested "
+            "sub-groups ran out; close and re-create the communicator to start again"
+        )
+    return number
+
+
+def unpack_rows(flat: Sequence[int]) -> list[list[int]]:
+    """The rows of an all_gather whose rows each start with their own length."""
+    rows, at = [], 0
+    while at < len(flat):
+        size = flat[at]
+        if size < 1:
+            raise ProtocolError(f"a gathered row claims a length of {size}")
+        rows.append(list(flat[at + 1 : at + size]))
+        at += size
+    return rows
 
 
 def split_members(rows: Sequence[Sequence[int]], rank: int) -> tuple[int, list[int]] | None:
@@ -70,11 +128,12 @@ class SubLinks(PeerLinks):
     def __init__(self, parent: PeerLinks, tasks: TaskOwner, group: int, members: Sequence[int]):
         super().__init__(parent.member_id, parent.config, tasks)
         assert parent.view is not None
-        self.parent = parent
+        self.parent = parent  # the root communicator's links (a nested group's too)
         self.group = group
         self.members = list(members)  # sub-rank -> the parent's rank
         self.view = View(parent.view.epoch, tuple(parent.view.members[r] for r in members))
         self.rank = self.members.index(parent.rank)
+        self.root_size = parent.view.size
 
     @property
     def dropped(self) -> int:
@@ -127,6 +186,7 @@ class Demux:
 
     def add(self, group: int, inbound: Mapping[Kind, Inbound], members: Sequence[int]) -> None:
         """Route `group`'s messages to `inbound`; deliver those that came before it."""
+        assert group not in self._subs, f"sub-group number {group} is taken"
         self._subs[group] = (inbound, {parent: sub for sub, parent in enumerate(members)})
         early = self._early.pop(group, [])
         self._held -= len(early)
@@ -169,21 +229,28 @@ class SubViews:
     """What the runner and the communicator ask about views, for a sub-group: its view is
     fixed, and valid while the parent stays in the same epoch."""
 
-    def __init__(self, links: SubLinks, parent_epoch: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        links: SubLinks,
+        parent_epoch: Callable[[], int],
+        broken: Callable[[], DsmlError | None] = lambda: None,
+    ) -> None:
         self.links = links
         self._parent_epoch = parent_epoch
+        self._broken = broken  # the root's `sub_group_error`: its epoch lost members
         self.listeners: list[Any] = []
         self.installed = 1
         self.evicted = False
         self.interrupt_on_join = False
 
-    def stale(self) -> MembershipChangedError | None:
-        """The error of a call once the parent has left this sub-group's epoch."""
+    def stale(self) -> DsmlError | None:
+        """The error of a call once the root has left this sub-group's epoch, or while
+        that epoch is broken (a member lost: `PeerLostError`, not a wait for the dead)."""
         if self._parent_epoch() == self.links.epoch:
-            return None
+            return self._broken()
         return MembershipChangedError(
-            f"this sub-communicator belongs to epoch {self.links.epoch} of its parent, which "
-            f"has moved to epoch {self._parent_epoch()}: make new sub-groups with "
+            f"this sub-communicator belongs to epoch {self.links.epoch} of its root communicator, "
+            f"which has moved to epoch {self._parent_epoch()}: make new sub-groups with "
             "comm.split or comm.new_group",
             rank=self.links.rank,
             epoch=self.links.epoch,

@@ -1,0 +1,130 @@
+"""Joining and leaving, as the registry handles them (membership layer).
+
+`RegistryJoins` forms the first group (ranks in join order, or the rank a member asked
+for, as `dsml run` does), admits joiners to a running group at a boundary the members
+agree on (the registry's PROPOSE, the members' READY with their next collective id: the
+largest is the boundary), and ends the epoch of a member that leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import ConfigError, ProtocolError
+from ..transport import check_address
+from ..wire import Envelope, Fields, Kind
+from .registry_core import RegistryCore, _Joiner, _Proposal
+from .view import Change, Member
+
+__all__ = ["RegistryJoins"]
+
+log = logging.getLogger("dsml.registry")
+
+_MAX_WORLD = 1 << 16
+
+
+class RegistryJoins(RegistryCore):
+    """The registry's handlers of joins and leaves; see the module docstring."""
+
+    def handle_join_request(self, sender: bytes, env: Envelope) -> None:
+        fields = Fields(env.body, "JoinRequest")
+        member = Member.from_wire(fields.get_map("member"))
+        world_size = fields.get_int("world_size", 1, _MAX_WORLD)
+        wanted = fields.get_int("rank", 0, _MAX_WORLD, optional=True)
+        if sender != member.id.encode():
+            raise ProtocolError("JoinRequest identity does not match its member id")
+        if self._view is not None and self._view.rank_of(member.id) is not None:
+            self._send_view(member.id, self._view, Change(previous=self._view.epoch))  # a retry
+            return
+        if member.id in self._evicted:
+            self._reply(sender, Kind.JOIN_REJECTED, {"reason": "this member id was evicted"})
+            return
+        reason = self._join_refusal(member, world_size, wanted)
+        if reason:
+            log.warning("refused %s: %s", member.describe(), reason)
+            self._reply(sender, Kind.JOIN_REJECTED, {"reason": reason})
+            return
+        accepted = self._settings()
+        if self._view is not None:  # a running group: admit at an agreed boundary
+            self._pending[member.id] = member
+            accepted |= {"joined": len(self._pending), "world_size": self._view.size}
+            self._reply(sender, Kind.JOIN_ACCEPTED, accepted | {"running": True})
+            self._schedule_proposal()
+            return
+        self._joining[member.id] = _Joiner(member, world_size, wanted)
+        accepted |= {"joined": len(self._joining), "world_size": world_size}
+        self._reply(sender, Kind.JOIN_ACCEPTED, accepted | {"running": False})
+        if len(self._joining) == world_size:
+            self._form_group(world_size)
+
+    def _join_refusal(self, member: Member, world_size: int, wanted: int | None) -> str:
+        try:
+            check_address(member.address, "member address")
+        except ConfigError as exc:
+            return str(exc)
+        if self._view is not None:
+            return ""  # joins a running group: its size and rank are the group's business
+        others = [j for j in self._joining.values() if j.member.id != member.id]
+        if others and others[0].world_size != world_size:
+            return (
+                f"this registry is forming a group of world_size={others[0].world_size}, "
+                f"but this member asked for world_size={world_size}"
+            )
+        if wanted is not None and wanted >= world_size:
+            return f"rank {wanted} is out of range for world_size={world_size}"
+        if wanted is not None and any(j.wanted_rank == wanted for j in others):
+            return f"rank {wanted} was already taken by another member"
+        return ""
+
+    def _form_group(self, world_size: int) -> None:
+        joiners = list(self._joining.values())
+        ranks: list[Member | None] = [None] * world_size
+        for joiner in joiners:
+            if joiner.wanted_rank is not None:
+                ranks[joiner.wanted_rank] = joiner.member
+        free = iter(j.member for j in joiners if j.wanted_rank is None)
+        members = tuple(m if m is not None else next(free) for m in ranks)
+        self._joining.clear()
+        log.info("forming a group of %d", world_size)
+        self._publish(members, Change(joined=tuple(m.id for m in members)))
+
+    def handle_ready(self, sender: bytes, env: Envelope) -> None:
+        fields = Fields(env.body, "Ready")
+        epoch = fields.get_int("epoch", 1)
+        next_cid = fields.get_int("next_cid", 1)
+        proposal = self._proposal
+        if proposal is None or epoch != proposal.view.epoch or self._view is None:
+            return  # an answer to a proposal a failure replaced
+        member_id = self._member_of(sender)
+        if self._view.rank_of(member_id) is None:
+            return
+        proposal.ready[member_id] = next_cid
+        if len(proposal.ready) == self._view.size:
+            self._commit(proposal)
+
+    def _commit(self, proposal: _Proposal) -> None:
+        self._proposal = None
+        joined = [m for m in proposal.joined if m in self._pending]
+        for member_id in joined:
+            del self._pending[member_id]
+        boundary = max(proposal.ready.values())
+        assert self._view is not None
+        newcomers = tuple(m for m in proposal.view.members if m.id in joined)
+        change = Change(previous=self._epoch, boundary=boundary, joined=tuple(joined))
+        self._publish(self._view.members + newcomers, change)
+        if self._pending:
+            self._schedule_proposal()
+
+    # -- leaving ----------------------------------------------------------------------------
+
+    def handle_leave_request(self, sender: bytes, env: Envelope) -> None:
+        member_id = self._member_of(sender)
+        fields = Fields(env.body, "LeaveRequest")
+        last = fields.get_int("last", 0, optional=True) or 0
+        if self._joining.pop(member_id, None) is not None:
+            return
+        if self._pending.pop(member_id, None) is not None:
+            return
+        if self._view is None or self._view.rank_of(member_id) is None:
+            return
+        self._remove([], [(member_id, last)], f"member {member_id} left")
