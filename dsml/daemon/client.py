@@ -12,6 +12,10 @@ A daemon that died while idle stays listed until the registry's heartbeat timeou
 is chosen, its address refuses the connection; since no rank calls `fn` before every rank
 joined the job's group, nothing ran anywhere, so `run` chooses again without it (up to
 `_ATTEMPTS` times) instead of failing.
+
+Choosing workers, submitting the job, waiting for it and cancelling it are here; the
+records of workers and jobs are in client_jobs.py, the handling of what the workers send
+back and of lost connections in client_replies.py.
 """
 
 from __future__ import annotations
@@ -19,13 +23,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
-import functools
 import os
 import secrets
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -34,15 +34,14 @@ from ..errors import (
     ConfigError,
     DsmlError,
     JobTimeoutError,
-    ProtocolError,
     RemoteError,
     WorkerLostError,
-    caused_by_another_rank,
 )
 from ..membership import query_status
 from ..transport import Channel, check_address
-from ..wire import Envelope, Fields, Kind
-from ..wire.values import unpack_value
+from ..wire import Kind
+from .client_jobs import WorkerInfo, _Job
+from .client_replies import _UNREACHABLE, ClientReplies
 from .interrupt import interrupt_cancels
 from .protocol import MAX_JOB_FRAME, JobSpec, encode_job, envelope, job_config
 
@@ -50,103 +49,9 @@ __all__ = ["Client", "WorkerInfo"]
 
 _CANCEL_WAIT_S = 5.0  # after a failure or a cancel, time the other ranks get to report
 _ATTEMPTS = 3  # choices of workers per run, when chosen daemons turn out to be gone
-_UNREACHABLE = "Unreachable"  # error_type of a daemon that refused the connection
-#: Besides aborts and membership changes (errors.caused_by_another_rank): errors a rank
-#: gets when another failed first (its job cancelled, or a collective left waiting).
-_ALSO_CONSEQUENCES = frozenset({"CancelledError", "dsml.errors.CollectiveTimeoutError"})
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """One worker daemon as the registry lists it."""
-
-    name: str
-    address: str
-    state: str  # "idle" or "busy"
-    device: str
-    host: str
-    pid: int
-    job: str  # the job it runs ("" when idle)
-    jobs_done: int
-    heartbeat_age: float
-    id: str
-    heartbeat_interval: float = 1.0
-
-    @property
-    def silent(self) -> bool:
-        """No hello for three intervals: probably dead (the registry drops it later)."""
-        return self.heartbeat_age > 3 * self.heartbeat_interval + 0.5
-
-    @classmethod
-    def from_status(cls, entry: dict[str, Any]) -> WorkerInfo:
-        return cls(
-            name=entry["name"],
-            address=entry["address"],
-            state=entry["state"],
-            device=entry["device"],
-            host=entry["host"],
-            pid=entry["pid"],
-            job=entry.get("job", ""),
-            jobs_done=entry.get("jobs_done", 0),
-            heartbeat_age=entry.get("heartbeat_age", 0.0),
-            id=entry["id"],
-            heartbeat_interval=entry.get("heartbeat_interval", 1.0),
-        )
-
-
-def _write(stream: str, text: str) -> None:
-    out = sys.stderr if stream == "stderr" else sys.stdout
-    out.write(text)
-    out.flush()
-
-
-class _Job:
-    """The client's side of one job: per rank, its acceptance and its outcome."""
-
-    def __init__(self, job_id: str, workers: Sequence[WorkerInfo], label: str) -> None:
-        loop = asyncio.get_running_loop()
-        self.id = job_id
-        self.label = label
-        self.workers = list(workers)
-        self.accepted: list[asyncio.Future[str | None]] = [loop.create_future() for _ in workers]
-        self.results: list[asyncio.Future[Any]] = [loop.create_future() for _ in workers]
-        self.submitted: set[int] = set()
-        self.reported: set[int] = set()  # ranks that sent JobResult or JobRefused
-        self.cancelled = False  # JobCancel went out (once is enough)
-        self.errors: list[RemoteError] = []  # in the order they arrived
-        self.partial: dict[tuple[int, str], str] = {}  # an output line still being written
-        self.config: dict[str, Any] = {}  # CommConfig settings for the job's communicator
-        # The caller's context: output printed in it reaches the caller's notebook cell
-        # (ipykernel routes output by a context variable; replies arrive in the context of
-        # whichever call opened the connection).
-        self.context = contextvars.copy_context()
-        for future in self.results:
-            future.add_done_callback(_consume)
-
-    def rank_at(self, address: str) -> list[int]:
-        return [r for r, w in enumerate(self.workers) if w.address == address]
-
-    def fail(self, rank: int, error: RemoteError) -> None:
-        if not self.accepted[rank].done():
-            self.accepted[rank].set_result(None)
-        if not self.results[rank].done():
-            self.errors.append(error)
-            self.results[rank].set_exception(error)
-
-    def root_cause(self) -> RemoteError:
-        for error in self.errors:
-            kind = error.error_type
-            if kind not in _ALSO_CONSEQUENCES and not caused_by_another_rank(kind):
-                return error
-        return self.errors[0]
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved: a failure we reported another way is not "never"
-
-
-class Client:
+class Client(ClientReplies):
     """Submits jobs to the worker daemons listed by the registry at `registry`.
 
     Args:
@@ -380,169 +285,6 @@ class Client:
         waiting = [job.results[r] for r in running if not job.results[r].done()]
         if waiting:
             await asyncio.wait(waiting, timeout=_CANCEL_WAIT_S)
-
-    # -- replies ----------------------------------------------------------------------------
-
-    def _channel(self, address: str) -> Channel:
-        channel = self._channels.get(address)
-        if channel is None or channel.closed:
-            options: dict[str, Any] = {}
-            if self.curve is not None:
-                options = {
-                    "curve": self.curve,
-                    "on_refused": functools.partial(self._refused, address),
-                }
-            channel = Channel.connect(
-                address,
-                self.id.encode(),
-                handler=functools.partial(self._on_reply, address),
-                on_disconnect=functools.partial(self._lost, address),
-                on_unreachable=functools.partial(self._unreachable, address),
-                max_frame_bytes=MAX_JOB_FRAME,
-                **options,
-            )
-            self._channels[address] = channel
-        return channel
-
-    def _on_reply(
-        self, address: str, sender: bytes, env: Envelope, payload: list[memoryview]
-    ) -> None:
-        fields = Fields(env.body, env.kind.name)
-        job = self._jobs.get(fields.get_str("job", 64))
-        if job is None:
-            return  # a late report of a job that ended here
-        rank = fields.get_int("rank", 0, len(job.workers) - 1)
-        if job.workers[rank].address != address:
-            raise ProtocolError(f"{address} reported for rank {rank}, which it does not run")
-        if env.kind in (Kind.JOB_RESULT, Kind.JOB_REFUSED):
-            job.reported.add(rank)
-        if env.kind is Kind.JOB_ACCEPTED:
-            if not job.accepted[rank].done():
-                job.accepted[rank].set_result(fields.get_str("group", 256))
-        elif env.kind is Kind.JOB_OUTPUT:
-            self._print(job, rank, fields.get_str("stream", 8), fields.get_str("text", 1 << 16))
-        elif env.kind is Kind.JOB_REFUSED:
-            reason = fields.get_str("reason", 1024)
-            job.fail(
-                rank,
-                RemoteError(
-                    f"worker {job.workers[rank].name} refused job {job.label}: {reason}",
-                    rank=rank,
-                    error_type="refused",
-                    worker=job.workers[rank].name,
-                ),
-            )
-        elif env.kind is Kind.JOB_RESULT:
-            self._on_result(job, rank, fields, payload)
-        else:
-            raise ProtocolError(f"a worker does not send {env.kind.name}")
-
-    def _on_result(self, job: _Job, rank: int, fields: Fields, payload: list[memoryview]) -> None:
-        self._flush_output(job, rank)
-        worker = job.workers[rank].name
-        if fields.get_bool("ok"):
-            if not payload:
-                raise ProtocolError("a JobResult carries its value frames")
-            try:
-                value = unpack_value(payload[0], payload[1:])
-            except ProtocolError as exc:
-                job.fail(
-                    rank,
-                    RemoteError(
-                        f"rank {rank} sent a malformed result: {exc}",
-                        rank=rank,
-                        error_type="ProtocolError",
-                        worker=worker,
-                    ),
-                )
-                return
-            if not job.accepted[rank].done():
-                job.accepted[rank].set_result(None)
-            if not job.results[rank].done():
-                job.results[rank].set_result(value)
-            return
-        error_type = fields.get_str("error_type", 256)
-        message = fields.get_str("message", 8192)
-        trace = fields.get_str("traceback", 1 << 16)
-        text = f"rank {rank} ({worker}) raised {error_type}: {message}"
-        if trace:
-            text += f"\n\nRemote traceback (rank {rank}, {worker}):\n{trace.rstrip()}"
-        job.fail(
-            rank,
-            RemoteError(text, rank=rank, traceback=trace, error_type=error_type, worker=worker),
-        )
-
-    def _drop_channel(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:  # a fresh connection for the next job, not this session
-            task = asyncio.get_running_loop().create_task(channel.aclose(linger_s=0))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-
-    def _unreachable(self, address: str) -> None:
-        """Nothing listens at `address` any more: the daemon there died while idle."""
-        self._drop_channel(address)
-        for job in list(self._jobs.values()):
-            for rank in job.rank_at(address):
-                worker = job.workers[rank]
-                self._unreachable_ids.add(worker.id)
-                job.fail(
-                    rank,
-                    WorkerLostError(
-                        f"worker {worker.name} (pid {worker.pid}) refuses connections at "
-                        f"{address}: its daemon is gone (the registry lists it until its "
-                        "heartbeats time out)",
-                        rank=rank,
-                        worker=worker.name,
-                        error_type=_UNREACHABLE,
-                    ),
-                )
-
-    def _lost(self, address: str) -> None:
-        self._drop_channel(address)
-        for job in list(self._jobs.values()):
-            for rank in job.rank_at(address):
-                if rank in job.submitted and not job.results[rank].done():
-                    worker = job.workers[rank]
-                    self._lost_ids.add(worker.id)
-                    job.fail(
-                        rank,
-                        WorkerLostError(
-                            f"worker {worker.name} (rank {rank}, {address}, pid {worker.pid}) "
-                            f"disconnected while running job {job.label}: it died or was killed",
-                            rank=rank,
-                            worker=worker.name,
-                            error_type="WorkerLost",
-                        ),
-                    )
-
-    def _refused(self, address: str, reason: str) -> None:
-        for job in list(self._jobs.values()):
-            for rank in job.rank_at(address):
-                job.fail(
-                    rank,
-                    RemoteError(
-                        f"worker {job.workers[rank].name} at {address}: {reason}",
-                        rank=rank,
-                        error_type="refused",
-                        worker=job.workers[rank].name,
-                    ),
-                )
-
-    def _print(self, job: _Job, rank: int, stream: str, text: str) -> None:
-        key = (rank, stream)
-        text = job.partial.pop(key, "") + text
-        *lines, rest = text.split("\n")
-        if rest:
-            job.partial[key] = rest
-        if lines:
-            job.context.run(_write, stream, "".join(f"[rank {rank}] {line}\n" for line in lines))
-
-    def _flush_output(self, job: _Job, rank: int) -> None:
-        for stream in ("stdout", "stderr"):
-            rest = job.partial.pop((rank, stream), "")
-            if rest:
-                self._print(job, rank, stream, rest + "\n")
 
     # -- closing ----------------------------------------------------------------------------
 

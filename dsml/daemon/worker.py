@@ -8,6 +8,10 @@ job's membership), the others join it, and each builds a communicator with `dsml
 What the job prints goes to the client line by line; its result, or its error with the
 traceback, goes back when it ends. A failing job never takes the daemon down; after every
 job the daemon is idle again.
+
+The daemon itself (its endpoint, its hellos to the registry, the messages of clients,
+running a job) is here; the record of a job and how it ends are in worker_jobs.py, the
+forwarding of what a job prints in worker_output.py.
 """
 
 from __future__ import annotations
@@ -20,14 +24,10 @@ import logging
 import os
 import secrets
 import socket
-import sys
-import threading
-import time
-import traceback
-from collections.abc import Iterator, Sequence
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import Any
 
-from ..communicator import Communicator, init
+from ..communicator import init
 from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, ProtocolError
 from ..membership import open_registry
@@ -38,19 +38,26 @@ from ..wire import Envelope, Fields, Kind
 from ..wire.values import pack_value
 from .protocol import (
     MAX_JOB_FRAME,
-    MAX_OUTPUT_CHARS,
     JobSpec,
     apply_job_config,
     decode_job,
     envelope,
 )
+from .worker_jobs import (
+    _LEAVE_WAIT_S,
+    _check_sizes,
+    _close_fully,
+    _close_job_registry,
+    _failure,
+    _failure_of,
+    _Job,
+)
+from .worker_output import _forwarding
 
 __all__ = ["WorkerConfig", "WorkerDaemon"]
 
 log = logging.getLogger("dsml.worker")
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_LEAVE_WAIT_S = 3.0  # rank 0 keeps the job's registry until the others left, this long
 _CANCEL_WAIT_S = 5.0  # on shutdown, time a cancelled job gets to end
 
 
@@ -90,19 +97,6 @@ class WorkerConfig:
             )
         if self.heartbeat_interval <= 0:
             raise ConfigError("heartbeat_interval must be positive")
-
-
-@dataclasses.dataclass(slots=True)
-class _Job:
-    spec: JobSpec
-    client: bytes
-    frames: list[memoryview]
-    task: asyncio.Task[None] | None = None
-    cancelled: bool = False
-    reported: bool = False  # its JOB_RESULT was sent
-    client_gone: bool = False
-    started: float = dataclasses.field(default_factory=time.monotonic)
-    failure: BaseException | None = None  # what fn raised, kept while the job cleans up
 
 
 class WorkerDaemon:
@@ -376,134 +370,7 @@ class WorkerDaemon:
         return f"<WorkerDaemon {self.name} {address} {state} jobs_done={self.jobs_done}>"
 
 
-async def _close_fully(comm: Communicator, *, error: Exception | None, cancel: bool) -> None:
-    """Close a job's communicator to the end, even if the job is cancelled meanwhile.
-
-    A failed job is often cancelled while it closes (the client cancels the other ranks
-    as soon as the first one reports); cut short, the close would leave the communicator's
-    sockets, heartbeat thread and shared-memory mappings behind in this long-lived
-    process, a few with every such job. The close is bounded (its waits have timeouts),
-    so the cancellation is honoured (re-raised) right after it.
-    """
-    closing = asyncio.ensure_future(comm.aclose(error=error, cancel=cancel))
-    cancelled = False
-    while not closing.done():
-        try:
-            await asyncio.shield(closing)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        if not closing.cancelled() and closing.exception() is not None:
-            log.debug("closing a cancelled job's communicator failed", exc_info=closing.exception())
-        raise asyncio.CancelledError
-    closing.result()
-
-
-def _check_sizes(frames: Sequence[Any], limit: int) -> None:
-    for frame in frames:
-        if memoryview(frame).nbytes > limit:
-            raise ValueError(
-                f"a result array of {memoryview(frame).nbytes:,} bytes is over the "
-                f"{limit:,}-byte limit of one job frame: return it in parts"
-            )
-
-
-def _failure(error_type: str, message: str, trace: str = "") -> dict[str, Any]:
-    return {"ok": False, "error_type": error_type, "message": message, "traceback": trace}
-
-
-def _failure_of(exc: BaseException) -> dict[str, Any]:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_HERE):
-        tb = tb.tb_next  # the daemon's own frames say nothing about the user's error
-    trace = "".join(traceback.format_exception(type(exc), exc, tb))
-    if len(trace) > 32_000:
-        trace = trace[:4_000] + "\n[... traceback shortened ...]\n" + trace[-28_000:]
-    kind = type(exc)
-    name = kind.__qualname__
-    if kind.__module__ != "builtins":
-        name = f"{kind.__module__}.{name}"
-    return _failure(name, str(exc)[:4_000], trace)
-
-
-async def _close_job_registry(registry: Registry) -> None:
-    """Close the job's registry once its members have left (or after a short wait)."""
-    deadline = time.monotonic() + _LEAVE_WAIT_S
-    while registry.view is not None and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.02)
-    await registry.aclose()
-
-
 def _host_of(bind: str) -> str:
     if bind.startswith("tcp://"):
         return bind[len("tcp://") :].rpartition(":")[0]
     return "127.0.0.1"  # an ipc:// daemon runs its jobs over loopback
-
-
-class _Forward:
-    """A text stream that sends what a job writes to its client, line by line.
-
-    Writes may come from any thread (the engine's pool); sending happens on the loop.
-    """
-
-    def __init__(self, daemon: WorkerDaemon, job: _Job, stream: str, original: TextIO) -> None:
-        self._daemon = daemon
-        self._job = job
-        self._stream = stream
-        self._original = original
-        self._lock = threading.Lock()
-        self._pending: list[str] = []
-        self._scheduled = False
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.current_thread()
-        self.encoding = "utf-8"
-        self.errors = "replace"
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            self._pending.append(text)
-            if "\n" not in text or self._scheduled:
-                return len(text)
-            self._scheduled = True
-        with contextlib.suppress(RuntimeError):  # the loop is closing
-            self._loop.call_soon_threadsafe(self.flush)
-        return len(text)
-
-    def flush(self) -> None:
-        with self._lock:
-            text = "".join(self._pending)
-            self._pending.clear()
-            self._scheduled = False
-        if not text or self._job.client_gone:
-            return
-        if threading.current_thread() is not self._loop_thread:  # wait for the loop's turn
-            with self._lock:
-                self._pending.append(text)
-            return
-        for start in range(0, len(text), MAX_OUTPUT_CHARS):
-            part = text[start : start + MAX_OUTPUT_CHARS]
-            self._daemon._send(self._job, Kind.JOB_OUTPUT, {"stream": self._stream, "text": part})
-
-    def isatty(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._original.fileno()
-
-
-@contextlib.contextmanager
-def _forwarding(daemon: WorkerDaemon, job: _Job) -> Iterator[None]:
-    """Send what the job prints to its client while it runs."""
-    out = _Forward(daemon, job, "stdout", sys.stdout)
-    err = _Forward(daemon, job, "stderr", sys.stderr)
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = out, err
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-        out.flush()
-        err.flush()

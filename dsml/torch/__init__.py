@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .process_group import ProcessGroupDsml, create_backend
+from .process_group import ProcessGroupDsml
+from .rendezvous import create_backend
 from .work import DsmlWork, cause_of
 
 __all__ = ["BACKEND", "DsmlWork", "ProcessGroupDsml", "cause_of", "create_backend"]

@@ -13,48 +13,42 @@ a list of equal parts): allreduce -> all_reduce; broadcast; reduce; allgather an
 all_gather_single -> all_gather; gather; scatter; reduce_scatter(_single) ->
 reduce_scatter; alltoall(_single) with equal parts -> all_to_all, with uneven split sizes
 -> send/recv to each peer; barrier; send; recv.
+
+The helpers that map torch's arguments onto dsml's calls are in mapping.py; how a group
+finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ..blocking import BlockingCommunicator, LoopThread
-from ..blocking import init as blocking_init
-from ..collectives.interop import like
+from ..blocking import BlockingCommunicator
 from ..communicator import Communicator
-from ..errors import ConfigError
-from ..membership import Registry, open_registry
+from .mapping import (
+    Tensors,
+    _all,
+    _check_equal,
+    _copy_into,
+    _exchange,
+    _flat,
+    _op_name,
+    _reduce_op,
+    _split_into,
+)
 from .work import DsmlWork
 
-__all__ = ["ProcessGroupDsml", "create_backend"]
+if TYPE_CHECKING:
+    from .rendezvous import HostedRegistry
 
-Tensors = list[torch.Tensor]
-_STORE_KEY = "dsml/registry"
-_UNEVEN_TAG = (1 << 31) - 1  # the tag of alltoall's send/recv pairs (uneven splits)
-_OPS = (
-    (dist.ReduceOp.SUM, "sum"),
-    (dist.ReduceOp.AVG, "avg"),
-    (dist.ReduceOp.PRODUCT, "prod"),
-    (dist.ReduceOp.MIN, "min"),
-    (dist.ReduceOp.MAX, "max"),
-)
+__all__ = ["ProcessGroupDsml"]
+
 _UNSET_TIMEOUT_S = 0.0
-
-
-def _op_name(op: Any) -> str:
-    for torch_op, name in _OPS:
-        if op == torch_op:
-            return name
-    raise ValueError(f"the dsml backend supports ReduceOp SUM, AVG, PRODUCT, MIN and MAX, not {op}")
 
 
 class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
@@ -343,128 +337,3 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         comm = self.comm.async_comm
         future = asyncio.run_coroutine_threadsafe(run(comm), self.comm.loop)
         return DsmlWork(future, what)
-
-
-async def _all(handles: Sequence[Awaitable[Any]]) -> list[Any]:
-    """Await every handle (all of them, even after one failed); their results in order."""
-    outcomes = await asyncio.gather(*handles, return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
-    return outcomes
-
-
-async def _exchange(
-    comm: Communicator,
-    parts: Tensors,
-    outputs: Tensors,
-    timeout: float,  # noqa: ASYNC109 (each send and recv takes it)
-) -> None:
-    """Send parts[j] to rank j and receive rank j's part into outputs[j] (uneven all-to-all)."""
-    rank = comm.rank
-    outputs[rank].view(-1).copy_(parts[rank])
-    peers = [j for j in range(comm.world_size) if j != rank]
-    sends = [comm.send(parts[j], j, tag=_UNEVEN_TAG, timeout=timeout) for j in peers]
-    received = await _all([comm.recv(j, tag=_UNEVEN_TAG, timeout=timeout) for j in peers])
-    for j, part in zip(peers, received, strict=True):
-        _copy_into(outputs[j], part)
-    await _all(sends)
-
-
-def _reduce_op(opts: Any) -> Any:
-    return opts if isinstance(opts, dist.ReduceOp | dist.ReduceOp.RedOpType) else opts.reduceOp
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1)  # a view when it can be: dsml reads strided tensors too
-
-
-def _check_equal(what: str, parts: Tensors) -> None:
-    if len({p.numel() for p in parts}) > 1:
-        raise ValueError(f"{what}: the dsml backend needs parts of equal size")
-
-
-def _copy_into(out: torch.Tensor, value: Any) -> None:
-    """out[...] = value (a torch tensor, or a numpy/cupy array from a call without input)."""
-    tensor = value if isinstance(value, torch.Tensor) else like(value, out)
-    out.copy_(tensor.reshape(out.shape))
-
-
-def _split_into(outs: Tensors, gathered: Any) -> None:
-    tensor = gathered if isinstance(gathered, torch.Tensor) else like(gathered, outs[0])
-    start = 0
-    for out in outs:
-        out.copy_(tensor[start : start + out.numel()].reshape(out.shape))
-        start += out.numel()
-
-
-# -- rendezvous -------------------------------------------------------------------------------
-
-
-class HostedRegistry:
-    """A dsml registry hosted by this process on a loop thread of its own (rank 0)."""
-
-    def __init__(self, host: str) -> None:
-        self._loop = LoopThread("dsml-registry")
-        try:
-            self.registry: Registry = self._loop.run(
-                open_registry(f"tcp://{host}:0"), "open_registry"
-            )
-        except BaseException:
-            self._loop.stop()
-            raise
-
-    @property
-    def address(self) -> str:
-        return self.registry.address
-
-    def close(self) -> None:
-        try:
-            self._loop.run(self.registry.aclose(), "close registry")
-        finally:
-            self._loop.stop()
-
-
-_default_taken = False  # the first group under `dsml run` joins its registry
-
-
-def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupDsml:
-    """torch's backend creator: join (or form) a dsml group for this process group.
-
-    Under `dsml run` (DSML_REGISTRY set) the first group joins the launcher's registry.
-    Otherwise group rank 0 hosts a registry (on MASTER_ADDR's address, else loopback) and
-    publishes its address in torch's store; the other ranks read it there.
-    """
-    global _default_taken
-    timeout_s = timeout.total_seconds()
-    hosted: HostedRegistry | None = None
-    registry = os.environ.get("DSML_REGISTRY", "").strip()
-    if registry and not _default_taken and str(size) == os.environ.get("DSML_WORLD_SIZE"):
-        _default_taken = True
-    elif rank == 0:
-        hosted = HostedRegistry(_registry_host())
-        registry = hosted.address
-        store.set(_STORE_KEY, registry)
-    else:
-        store.wait([_STORE_KEY], timeout)
-        registry = store.get(_STORE_KEY).decode()
-    try:
-        comm = blocking_init(
-            registry, size, rank=rank, timeout=timeout_s, name=f"torch rank {rank}"
-        )
-    except BaseException:
-        if hosted is not None:
-            hosted.close()
-        raise
-    return ProcessGroupDsml(comm, timeout_s, hosted)
-
-
-def _registry_host() -> str:
-    """The address rank 0's registry binds: MASTER_ADDR's (a user-named address) or loopback."""
-    name = os.environ.get("MASTER_ADDR", "").strip()
-    if not name:
-        return "127.0.0.1"
-    try:
-        return socket.gethostbyname(name)
-    except OSError as exc:
-        raise ConfigError(f"MASTER_ADDR={name!r} does not resolve: {exc}") from exc

@@ -26,59 +26,44 @@ reuses a slot only once every peer has left the call that used it last.
 
 Segment names are unlinked as soon as every peer has mapped them (a peer writes the
 generation it mapped into its own control segment), so a crash leaves no file behind.
+
+Setting up and mapping the segments (and closing them) is `ShmMapping`'s (shm_mapping.py,
+with the layout of a control segment); `ShmLink` adds the synchronisation, the entry
+records and the mapping of each call's data generations.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeAlias
-
-import numpy as np
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
+from .shm_mapping import (
+    INLINE_BYTES,
+    MAPPED,
+    W_LAST_OK,
+    W_PROGRESS,
+    W_SLEEPING,
+    LinkPeer,
+    ShmMapping,
+    Unless,
+    _raise_if_done,
+)
 from .shm_records import Record, find_record, write_record
-from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
-from .shm_wake import Waker
+from .shm_segment import Segment
 
-__all__ = ["FAILED", "Check", "LinkPeer", "ShmLink", "Unless"]
+__all__ = ["FAILED", "INLINE_BYTES", "Check", "LinkPeer", "ShmLink", "Unless"]
 
 #: (peer's rank, its entry record) -> the error to raise, or None when compatible
 Check = Callable[[int, bytes], BaseException | None]
-#: a future whose result is the error that ends the call (None: nothing to watch)
-Unless: TypeAlias = "asyncio.Future[BaseException] | None"
 
-HEADER_BYTES = 4096
-INLINE_BYTES = 1 << 20  # two inline areas (one per record slot) for small calls
-CONTROL_BYTES = HEADER_BYTES + 2 * INLINE_BYTES
-MAGIC = 0x6473_6D6C_7368_6D31  # "dsmlshm1"
 FAILED = 255
 _PHASES = 256
-# control words (int64)
-W_MAGIC, W_PROGRESS, W_LAST_OK, W_GEN, W_DATA_BYTES, W_SLEEPING = 0, 1, 2, 3, 4, 5
-MAPPED = 1280 // 8  # word index: MAPPED + j = generation of rank j's data this rank mapped
-MAX_LOCAL = (HEADER_BYTES - 1280) // 8
-MIN_DATA_BYTES = 256 << 10
-PURE_SPIN_S = 50e-6  # a peer this close behind is worth keeping the CPU for
 BACKSTOP_S = 2e-3  # longest sleep without a look at the peers' counters
 GIVE_UP_GRACE_S = 0.25  # a peer gave a call up and no call failure to watch: then fail
-
-
-def _cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _raise_if_done(unless: Unless) -> None:
-    if unless is not None and unless.done():
-        raise unless.result()
 
 
 class _GaveUp(Exception):
@@ -86,156 +71,8 @@ class _GaveUp(Exception):
         self.rank = rank
 
 
-@dataclass(frozen=True, slots=True)
-class LinkPeer:
-    """A member of the host's group: its rank in the link, member id and process id."""
-
-    member: str
-    pid: int
-    rank: int  # its rank in the whole group (for error messages)
-
-
-class ShmLink:
+class ShmLink(ShmMapping):
     """One local rank's end of the link; see the module docstring."""
-
-    def __init__(
-        self,
-        me: int,
-        peers: Sequence[LinkPeer],
-        epoch: int,
-        *,
-        max_data_bytes: int,
-        spin_s: float = 5e-3,
-    ) -> None:
-        assert len(peers) <= MAX_LOCAL
-        self.me = me
-        self.peers = list(peers)
-        self.size = len(peers)
-        self.epoch = epoch
-        self.max_data_bytes = max_data_bytes
-        #: every rank in this process (dsml.testing clusters): waiting must not spin
-        self.in_process = all(p.pid == os.getpid() for p in peers)
-        self._spin_s = 0.0 if self.in_process else spin_s
-        # More local ranks than CPUs: a peer we wait for needs our CPU to get there, so
-        # yield from the first look (measured: less time lost at 4 ranks on 2 cores).
-        self._pure_spin_s = PURE_SPIN_S if self.size <= _cpus() else 0.0
-        self._control: list[Segment | None] = [None] * self.size
-        self._words: list[Any] = [None] * self.size
-        self._inline: list[Any] = [None] * self.size
-        self._raw: list[Any] = [None] * self.size  # control segments as uint8
-        self._records: dict[int, tuple[int, bool, bytes, int, int]] = {}  # this call's
-        self._data: list[Segment | None] = [None] * self.size
-        self._areas: list[Any] = [None] * self.size
-        self._gens = [0] * self.size  # generation of each rank's data mapped here
-        self._waker: Waker | None = None
-        self._results_hw = 0  # own data area: bytes at its start that held results
-        self._count = 0  # calls begun: they alternate between two record slots
-        self._used = [0, 0]  # the call that last used each slot (and inline area)
-        self._slot = 0
-        self._cid = 0
-        self.closed = False
-        #: fault injection (dsml.testing): a cut peer's (member id) progress never shows
-        self.cut: Callable[[str], bool] | None = None
-
-    # -- setup ------------------------------------------------------------------------------
-
-    def _name(self, rank: int, kind: str) -> str:
-        peer = self.peers[rank]
-        return segment_name(peer.pid, peer.member, self.epoch, kind)
-
-    def create(self) -> None:
-        """Make this rank's control segment (after removing orphans of dead processes)."""
-        sweep_orphans()
-        seg = Segment.create(self._name(self.me, "c"), CONTROL_BYTES)
-        words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
-        words[MAPPED : MAPPED + MAX_LOCAL] = -1
-        words[W_MAGIC] = MAGIC
-        self._control[self.me], self._words[self.me] = seg, words
-        self._raw[self.me] = np.frombuffer(seg.map, np.uint8)
-        self._inline[self.me] = self._raw[self.me][HEADER_BYTES:]
-        self._waker = Waker(self._name(self.me, "w"))
-        self._wake_names = [b"\0" + self._name(r, "w").encode() for r in range(self.size)]
-
-    async def wait_connected(self, unless: Unless = None) -> None:
-        """Map every peer's control segment (they may still be starting)."""
-        assert self._waker is not None
-        self._waker.start()
-        delay = 1e-4
-        while True:
-            for rank in range(self.size):
-                if self._control[rank] is None:
-                    self._map_control(rank)
-            if all(c is not None for c in self._control):
-                return
-            if unless is None:
-                await asyncio.sleep(delay)
-            else:
-                await asyncio.wait([unless], timeout=delay)
-                _raise_if_done(unless)
-            delay = min(delay * 2, 5e-3)
-
-    def _map_control(self, rank: int) -> None:
-        try:
-            seg = Segment.open(self._name(rank, "c"))
-        except PermissionError:
-            raise ProtocolError(
-                f"cannot open the shared memory of rank {self.peers[rank].rank} on this host "
-                "(does it run as another user?); run every rank of a host as one user, or "
-                "set DSML_SHM=0"
-            ) from None
-        if seg is None or seg.size < CONTROL_BYTES:
-            return
-        words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
-        if words[W_MAGIC] != MAGIC:
-            del words
-            seg.close()
-            return
-        self._control[rank], self._words[rank] = seg, words
-        self._raw[rank] = np.frombuffer(seg.map, np.uint8)
-        self._inline[rank] = self._raw[rank][HEADER_BYTES:]
-        self._words[self.me][MAPPED + rank] = 0
-
-    @property
-    def connected(self) -> bool:
-        return all(c is not None for c in self._control)
-
-    # -- data areas -------------------------------------------------------------------------
-
-    def reserve(self, results_bytes: int, staging_bytes: int) -> bool:
-        """Make room in this rank's data area for a call's results (at its start) and
-        staging (at its end); False when /dev/shm has no room (or it would exceed
-        `max_data_bytes`).
-
-        Staging must not overlap results of the previous call, which slower peers may
-        still be copying out: within one segment, results up to their high-water mark
-        stay clear of it. A larger need makes a new segment (the next generation); peers
-        map it at this call's first sync.
-        """
-        own = self._data[self.me]
-        if own is not None and own.size >= max(self._results_hw, results_bytes) + staging_bytes:
-            self._results_hw = max(self._results_hw, results_bytes)
-            return True
-        nbytes = results_bytes + staging_bytes
-        if nbytes > self.max_data_bytes:
-            return False
-        size = max(nbytes, MIN_DATA_BYTES, 2 * own.size if own is not None else 0)
-        for attempt in (min(size, self.max_data_bytes), nbytes):
-            gen = self._gens[self.me] + 1
-            try:
-                seg = Segment.create(self._name(self.me, f"d{gen}"), attempt)
-            except ShmFullError:
-                continue
-            self._install(self.me, seg, gen)
-            self._results_hw = results_bytes
-            words = self._words[self.me]
-            words[W_DATA_BYTES] = seg.size
-            words[W_GEN] = gen  # for diagnosis: peers take the generation from entry records
-            return True
-        return False
-
-    def area(self, rank: int) -> Any:
-        """Rank's data area as uint8 (mapped as of this rank's last completed sync)."""
-        return self._areas[rank]
 
     def inline(self, rank: int, cid: int) -> Any:
         """Rank's inline area for call `cid` (INLINE_BYTES as uint8, in its control segment;
@@ -248,16 +85,6 @@ class ShmLink:
             if slot < 0:
                 raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
         return self._inline[rank][slot * INLINE_BYTES : (slot + 1) * INLINE_BYTES]
-
-    def _install(self, rank: int, seg: Segment, gen: int) -> None:
-        old = self._data[rank]
-        self._data[rank], self._areas[rank], self._gens[rank] = (
-            seg,
-            np.frombuffer(seg.map, np.uint8),
-            gen,
-        )
-        if old is not None:
-            old.close()
 
     def _map_data(self, cid: int) -> None:
         """Map the data generation each peer uses in call `cid` (from its entry record:
@@ -276,18 +103,6 @@ class ShmLink:
                 self._install(rank, seg, gen)
                 mine[MAPPED + rank] = gen
         self._unlink_mapped()
-
-    def _unlink_mapped(self) -> None:
-        me = self.me
-        seen = min(
-            (int(self._words[r][MAPPED + me]) for r in range(self.size) if r != me), default=0
-        )
-        control = self._control[me]
-        if seen >= 0 and control is not None and control.linked:
-            control.unlink()
-        own = self._data[me]
-        if own is not None and own.linked and seen >= self._gens[me]:
-            own.unlink()
 
     # -- synchronisation --------------------------------------------------------------------
 
@@ -502,35 +317,4 @@ class ShmLink:
             rank=me,
             epoch=self.epoch,
             cid=cid,
-        )
-
-    # -- closing ----------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Unmap everything and remove this rank's names."""
-        if self.closed:
-            return
-        self.closed = True
-        self._words = [None] * self.size
-        self._inline = [None] * self.size
-        self._raw = [None] * self.size
-        self._records = {}
-        self._areas = [None] * self.size
-        held = [seg for seg in [*self._control, *self._data] if seg and not seg.close()]
-        if held:
-            # Views still alive: most often locals of a failed call's traceback, which is
-            # a reference cycle; collect it now rather than keep each map's descriptor
-            # until the cyclic GC happens to run (a daemon worker runs job after job).
-            gc.collect()
-            for seg in held:
-                seg.close()
-        self._control = [None] * self.size
-        self._data = [None] * self.size
-        if self._waker is not None:
-            self._waker.close()
-
-    def __repr__(self) -> str:
-        return (
-            f"<ShmLink rank {self.me}/{self.size} epoch={self.epoch} "
-            f"connected={self.connected} data_gen={self._gens[self.me]}>"
         )
