@@ -70,7 +70,7 @@ _REDUCE_BYTES = 4 << 20  # larger than a cache, as the arrays worth choosing for
 _SPLIT = 4  # the ring raced once more with this many chunks per segment
 #: Sizes at which every algorithm is raced (what hops, messages and bytes really cost);
 #: at _RACE_BYTES the ring and the mesh were raced already.
-_RACED_SIZES = (4 << 10, 64 << 10, 256 << 10, _RACE_BYTES)
+_RACED_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, _RACE_BYTES)
 _SMALL_ROUNDS = 7  # timed rounds below _RACE_BYTES: cheap there, and noisier
 _ALGORITHMS: dict[str, Any] = {
     "ring": all_reduce_ring,
