@@ -37,6 +37,7 @@ from dsml.collectives.all_reduce_shm import (
 )
 from dsml.collectives.ops import ReduceOp
 from dsml.collectives.shm_plane import HostMember, SameHost
+from dsml.communicator import plan_reductions
 from dsml.testing import crash, open_local_cluster
 from dsml.transport.shm_segment import SHM_DIR, Segment, segment_name, sweep_orphans
 
@@ -415,6 +416,45 @@ async def test_hierarchical_all_reduce_over_hosts_is_exact(
                 np.testing.assert_allclose(x, expected, rtol=1e-12)
             assert len({x.tobytes() for x in xs}) == 1  # bitwise identical everywhere
         assert all(c._shm.plane.calls == 3 for c in comms)  # the local phases ran
+
+
+async def test_an_auto_call_that_runs_over_tcp_does_not_hold_up_a_later_hierarchical_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Across hosts with as many ranks each, an auto all_reduce takes a shared-memory turn
+    when planned (it might run hierarchical); once `auto` sends it over TCP it gives the
+    turn back, so a hierarchical call behind it runs while it is still under way (before,
+    it waited for the TCP call to end). Here the TCP call cannot end before the
+    hierarchical one has: held, it would time the hierarchical call out."""
+    init_module = importlib.import_module("dsml.communicator.init")
+    identities = iter(f"fake{os.getpid()}:{r // 2}" for r in range(4))  # 2 hosts x 2 ranks
+    monkeypatch.setattr(init_module, "host_identity", lambda: next(identities))
+    async with open_local_cluster(4) as comms:
+        await asyncio.gather(*(c.all_reduce(np.ones(1024, np.float32)) for c in comms))
+        gate = asyncio.Event()
+        table = plan_reductions.ALL_REDUCE  # the TCP all_reduce algorithms, by name
+        for name, algorithm in list(table.items()):
+
+            async def held(*args: Any, _algorithm: Any = algorithm) -> Any:
+                await gate.wait()
+                return await _algorithm(*args)
+
+            monkeypatch.setitem(table, name, held)
+        small = [np.full(1024, r + 1, np.float32) for r in range(4)]
+        large = [np.arange(100_003, dtype=np.float64) * (r + 1) for r in range(4)]
+        first = [asyncio.ensure_future(c.all_reduce(x)) for c, x in zip(comms, small, strict=True)]
+        second = [
+            c.all_reduce(x, algorithm="hierarchical", timeout=5)
+            for c, x in zip(comms, large, strict=True)
+        ]
+        await asyncio.gather(*second)
+        assert not any(f.done() for f in first)  # still held: it never blocked the second
+        gate.set()
+        await asyncio.gather(*first)
+    for x in small:
+        np.testing.assert_array_equal(x, np.full(1024, 10, np.float32))
+    for x in large:
+        np.testing.assert_array_equal(x, np.arange(100_003, dtype=np.float64) * 10)
 
 
 @pytest.mark.timeout(60)

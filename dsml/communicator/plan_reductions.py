@@ -96,6 +96,8 @@ class ReductionPlans(PlannerBase):
                 group, run = await ticket.resolve(call, x.nbytes, can_hier)
             src, copy = self._flat_input(be, x)
             in_hier = hier or (can_hier and run == "hierarchical")
+            if can_hier and not in_hier and shm is not None:
+                shm.release(call)  # runs over TCP: later shared-memory calls need not wait
             if in_hier and shm is not None:
                 await shm.all_reduce_hierarchical(call, src, src, reduce_op)
                 done = True

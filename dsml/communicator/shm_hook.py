@@ -198,11 +198,16 @@ class ShmHook:
                 cid=call.cid,
             ) from None
         finally:
-            with contextlib.suppress(ValueError):
-                self._claimed.remove((call.epoch, call.cid))
-            if self._finished is not None and not self._finished.done():
-                self._finished.set_result(None)
-            self._finished = None
+            self.release(call)
+
+    def release(self, call: Call) -> None:
+        """The call no longer holds its turn (it ran, or it runs over TCP after all, as an
+        auto call that could have run hierarchical may): wake the calls waiting on it."""
+        with contextlib.suppress(ValueError):
+            self._claimed.remove((call.epoch, call.cid))
+        if self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
+        self._finished = None
 
     def close(self) -> None:
         self.plane.close()
