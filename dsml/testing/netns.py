@@ -32,6 +32,10 @@ tests/harness/netns.py (`hosts`, in tests/multihost). `python -m dsml.testing.ne
 Commands run through `nsenter --net` plus a private UTS and mount namespace (for the host
 name and `/etc/hosts`), not `ip netns exec`, which also remounts `/sys`. Nothing in dsml
 imports this module.
+
+This module holds the hosts (`Host`, `NetnsHosts`, `netns_hosts`) and the command line;
+the commands under them (availability, `_sh`, `tbf_args`, leftovers, killing what ran)
+are in netns_commands.py, and `measure_rate` in netns_measure.py, both re-exported here.
 """
 
 from __future__ import annotations
@@ -40,100 +44,34 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from .netns_commands import (
+    _NETNS_DIR,
+    _PREFIX,
+    NetnsError,
+    _kill_group,
+    _kill_inside,
+    _rate_bits,
+    _remove_orphans,
+    _sh,
+    leftover_namespaces,
+    tbf_args,
+    unavailable_reason,
+)
+from .netns_measure import measure_rate
 
 __all__ = ["Host", "NetnsError", "NetnsHosts", "leftover_namespaces", "netns_hosts"]
 __all__ += ["measure_rate", "tbf_args", "unavailable_reason"]
 
 SUBNET = "10.217.44"  # a private /24, configured only inside the namespaces made here
-_PREFIX = "dsmlnet"
-_NETNS_DIR = Path("/run/netns")
-_TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "hostname")
 _counter = itertools.count()
-
-
-class NetnsError(RuntimeError):
-    """A namespace command failed (its stderr is in the message)."""
-
-
-def unavailable_reason() -> str | None:
-    """Why namespaced hosts cannot be built here, or None when they can."""
-    if not hasattr(os, "geteuid") or os.uname().sysname != "Linux":
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return f"network namespaces need root (running as uid {os.geteuid()})"
-    missing = [tool for tool in _TOOLS if shutil.which(tool) is None]
-    if missing:
-        return f"not found on PATH: {', '.join(missing)} (install iproute2, util-linux, mount)"
-    return None
-
-
-def _sh(*argv: str) -> str:
-    """Run one command; raise NetnsError with its stderr when it fails."""
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise NetnsError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def leftover_namespaces(owner_pid: int | None = None) -> list[str]:
-    """Namespaces made by this module (by `owner_pid` when given) that still exist."""
-    out = _sh("ip", "netns", "list")
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    pattern = re.compile(rf"{_PREFIX}(\d+)x")
-    found = []
-    for name in names:
-        match = pattern.match(name)
-        if match and (owner_pid is None or int(match.group(1)) == owner_pid):
-            found.append(name)
-    return found
-
-
-def _remove_orphans() -> None:
-    """Delete namespaces left by runs whose process died before cleaning up."""
-    for name in leftover_namespaces():
-        owner = int(name[len(_PREFIX) :].split("x")[0])
-        if not _alive(owner):
-            with contextlib.suppress(NetnsError):
-                _sh("ip", "netns", "delete", name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def tbf_args(rate: str) -> list[str]:
-    """`tc` arguments for a token bucket at `rate` ("1gbit", "10gbit", "500mbit").
-
-    The bucket holds 4 ms of traffic (at least 64 KiB, so a whole GSO packet fits), and
-    packets wait up to 20 ms for tokens before they are dropped.
-    """
-    bits = _rate_bits(rate)
-    burst_bytes = max(64 * 1024, bits // 8 // 250)
-    return ["tbf", "rate", rate, "burst", str(burst_bytes), "latency", "20ms"]
-
-
-def _rate_bits(rate: str) -> int:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
-    if not match:
-        raise ValueError(f"rate must look like '1gbit', '10gbit' or '500mbit', got {rate!r}")
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
-    return int(float(match.group(1)) * scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,70 +270,6 @@ class NetnsHosts(Sequence[Host]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_SINK = """
-import socket, sys, time
-server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-print("ready", flush=True)
-conn, _ = server.accept()
-buf, total, start = bytearray(1 << 20), 0, None
-while n := conn.recv_into(buf):
-    start = start or time.perf_counter()
-    total += n
-print(total, time.perf_counter() - (start or time.perf_counter()), flush=True)
-"""
-_SOURCE = """
-import socket, sys
-conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-chunk = bytes(1 << 20)
-for _ in range(int(sys.argv[3]) >> 20):
-    conn.sendall(chunk)
-conn.close()
-"""
-
-
-def measure_rate(src: Host, dst: Host, n_bytes: int = 256 << 20, port: int = 5201) -> float:
-    """Bits per second one TCP stream carries from `src` to `dst` (an iperf-like probe).
-
-    Timed at the receiver from its first byte to the end of the stream, so connection
-    set-up is left out; `n_bytes` is rounded down to whole MiB. Runs `sys.executable`.
-    """
-    python = sys.executable
-    sink = dst.popen([python, "-c", _SINK, str(port)], stdout=subprocess.PIPE, text=True)
-    assert sink.stdout is not None
-    if sink.stdout.readline().strip() != "ready":
-        raise NetnsError(f"the receiver on {dst.name} did not start")
-    src.run([python, "-c", _SOURCE, dst.address, str(port), str(n_bytes)], timeout=300.0)
-    total, seconds = sink.stdout.readline().split()
-    sink.wait(timeout=10.0)
-    return int(total) * 8 / float(seconds)
-
-
-def _kill_inside(netns: str) -> None:
-    """SIGKILL every process still in `netns` (by PID), such as daemons' detached helpers.
-
-    Only processes started through this harness can be inside its namespaces.
-    """
-    for _ in range(50):
-        try:
-            pids = [int(p) for p in _sh("ip", "netns", "pids", netns).split()]
-        except NetnsError:
-            return
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-
-
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL the process group a harness command leads, then reap its leader."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5.0)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,183 @@
+"""A started call's task: its time, deadline, timeout report and end (communicator layer).
+
+`RunnerCalls` is the part of `Runner` (runner.py) that runs a call once it has its
+collective id and its plan: the task records where the call's time went (`comm.stats()`),
+arms its deadline (the shared one in deadlines.py, or a timer of its own), fails it at
+once when a failure is already known, turns `DeadlinePassed` into a
+`CollectiveTimeoutError` after asking the peers where they are, and tells the peers when
+this rank failed. When the task ends it leaves the call table; a call the user cancelled is
+aborted at the peers a moment later, unless the communicator closes first. Sends and
+receives run here too, with a deadline each. `Runner.__init__` sets the state named below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from ..errors import CollectiveError, CollectiveTimeoutError, ProtocolError
+from .call import Call, DeadlinePassed
+from .call_table import CallTable
+from .collective_handle import CollectiveHandle
+from .deadlines import Deadlines
+from .diagnose import timeout_message
+from .plans import Plan
+from .stats import CallStats, profiler_span
+from .stats import current as current_record
+from .tasks import TaskOwner
+
+__all__ = ["RunnerCalls"]
+
+#: A call the user cancelled is aborted at the peers after this delay, unless the
+#: communicator closes meanwhile (an interrupt cancels the call, then closes): its
+#: goodbye then names the call as the first one this rank did not make, so every peer
+#: fails that same call as a member leaving (MemberLeftError), not as an abort.
+_CANCEL_ABORT_DELAY_S = 0.05
+
+T = TypeVar("T")
+
+log = logging.getLogger("dsml.communicator")
+
+
+class RunnerCalls:
+    """Runs a started call as its task, and ends it; see the module docstring."""
+
+    # Set by `Runner.__init__`.
+    closed: bool
+    stats: CallStats
+    _cancel_aborts: dict[int, asyncio.TimerHandle]  # cid -> pending abort
+    _table: CallTable
+    _tasks: TaskOwner
+    _loop: asyncio.AbstractEventLoop
+    _deadlines: Deadlines
+
+    async def _run(self, call: Call, plan: Plan) -> Any:
+        """Run the call, recording its time split (`comm.stats()`); one debug line each."""
+        fp = call.fingerprint
+        record = self.stats.begin(fp.collective, call.cid, call.epoch, fp)
+        token = current_record.set(record)  # in this task's own context: this call only
+        span = profiler_span(fp.collective)
+        try:
+            result = await self._run_call(call, plan)
+            record.outcome = "ok"
+            return result
+        except BaseException as exc:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            record.outcome = "cancelled" if cancelled else type(exc).__name__
+            raise
+        finally:
+            record.end = time.perf_counter()
+            if span is not None:
+                span.__exit__(None, None, None)
+            current_record.reset(token)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(record.describe(), extra={"rank": self._table.rank, "epoch": call.epoch})
+
+    async def _run_call(self, call: Call, plan: Plan) -> Any:
+        deadline = None
+        if call.timeout == self._deadlines.timeout:
+            self._deadlines.add(call)  # the usual budget: one timer for all such calls
+        else:
+            deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
+        try:
+            error = call.failure or self._table.check_start(call)
+            if error is not None:
+                call.fail(error)  # already known to the peers: no abort from here
+                raise error
+            return await plan.body(call)
+        except DeadlinePassed:
+            raise await self._timed_out(call) from None
+        except (ProtocolError, CollectiveError) as exc:
+            if call.fail(exc):  # our own failure, not one delivered to us: tell the peers
+                self._table.abort(call, "failed", f"rank {self._table.rank} failed: {exc}")
+            raise
+        finally:
+            call.over = True  # its deadline no longer applies
+            if deadline is not None:
+                deadline.cancel()
+
+    async def _timed_out(self, call: Call) -> CollectiveTimeoutError:
+        progress = await self._table.probe(call)
+        message, missing = timeout_message(
+            call.cid, call.fingerprint, self._table.rank, call.timeout, progress
+        )
+        call.failure = CollectiveTimeoutError(
+            message,
+            missing=missing,
+            rank=self._table.rank,
+            epoch=call.epoch,
+            cid=call.cid,
+            collective=call.fingerprint.collective,
+        )
+        self._table.abort(call, "timeout", message, missing)
+        return call.failure
+
+    def _finished(self, call: Call, task: asyncio.Task[Any]) -> None:
+        self._table.finish(call)
+        self._deadlines.forget_over()
+        rank = self._table.rank
+        if task.cancelled() and call.failure is None:  # the user cancelled
+            message = f"rank {rank} cancelled the call"
+            if self.closed:
+                pass  # closing: the goodbye fails it at the peers (as a member leaving)
+            else:
+                timer = asyncio.get_running_loop().call_later(
+                    _CANCEL_ABORT_DELAY_S, self._abort_cancelled, call, message
+                )
+                self._cancel_aborts[call.cid] = timer
+        elif not task.cancelled() and call.failure is None and task.exception() is not None:
+            self._table.abort(call, "failed", f"rank {rank} failed: {task.exception()!r}")
+
+    # -- point to point ---------------------------------------------------------------------
+
+    def p2p(
+        self,
+        call: Call,
+        body: Coroutine[Any, Any, T],
+        what: str,
+        hint: str,
+    ) -> CollectiveHandle[T]:
+        """Start a send or a receive; a receive's `call` is in the table while it waits, so
+        a peer's goodbye or a change of view fails it."""
+        receive = call.fingerprint.collective == "recv"
+        if receive:
+            self._table.add_receive(call)
+        call.task = self._tasks.spawn(self._run_p2p(call, body, what, hint), watched=False)
+        if receive:
+            call.task.add_done_callback(lambda _t: self._table.end_receive(call))
+        return CollectiveHandle(call.task, call.fingerprint.collective, 0)
+
+    async def _run_p2p(self, call: Call, body: Coroutine[Any, Any, T], what: str, hint: str) -> T:
+        deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
+        try:
+            if call.failure is not None:
+                body.close()
+                raise call.failure
+            return await body
+        except DeadlinePassed:
+            raise CollectiveTimeoutError(
+                f"{what} timed out after {call.timeout:g} s on rank {self._table.rank}: {hint}",
+                missing=[call.peer] if call.peer is not None else [],
+                rank=self._table.rank,
+                epoch=call.epoch,
+            ) from None
+        finally:
+            deadline.cancel()
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def _abort_cancelled(self, call: Call, message: str) -> None:
+        self._cancel_aborts.pop(call.cid, None)
+        self._table.abort(call, "cancelled", message)
+
+    def withdraw_cancel_aborts(self) -> int | None:
+        """Closing: keep back the aborts of cancelled calls not sent yet; returns the
+        smallest of their collective ids (the goodbye counts them as not made)."""
+        first = min(self._cancel_aborts, default=None)
+        for timer in self._cancel_aborts.values():
+            timer.cancel()
+        self._cancel_aborts.clear()
+        return first
