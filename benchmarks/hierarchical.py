@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, os.environ.get("DSML_BENCH_TREE") or str(HERE.parent))  # --baseline
 
 ALGORITHMS = ("hierarchical", "ring", "mesh", "naive", "auto")
 PORT = 29541  # inside our own namespaces
@@ -84,7 +84,8 @@ async def turns_worker(small: int, big: int) -> None:
         held_after = len(comm._shm._claimed)
         times = np.empty((4, 30))
         for i in range(times.shape[1]):
-            for a, name in enumerate(("auto", ran)):
+            order = [(0, "auto"), (1, ran)]  # each first in every other round (warm caches)
+            for a, name in order if i % 2 else order[::-1]:
                 await comm.barrier()
                 start = time.perf_counter()
                 await comm.all_reduce(x, algorithm=name)
@@ -101,7 +102,6 @@ async def turns_worker(small: int, big: int) -> None:
             names = ("auto", "named", "together_auto", "together_named")
             row.update(zip(names, med, strict=True))
             row["chunk"] = comm.all_reduce_choice(small).chunk_bytes
-            row["big_chose"] = comm.all_reduce_choice(big).algorithm
             print("HIER_TURNS " + json.dumps(row), flush=True)
 
 
@@ -111,6 +111,7 @@ def one_group(
     registry = f"tcp://{hosts[0].address}:{PORT}"
     argv = [sys.executable, "-m", "dsml", "run", "-n", str(per_host), "--nnodes", str(len(hosts))]
     csv = ",".join(map(str, sizes))
+    tree = os.environ.get("PYTHONPATH") or str(HERE.parent)
     worker, tag = ("--turns-worker", "HIER_TURNS ") if turns else ("--worker", "HIER_ROW ")
     procs = [
         host.popen(
@@ -118,7 +119,7 @@ def one_group(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})},
+            env={**os.environ, "DSML_BENCH_TREE": pythonpath, "PYTHONPATH": pythonpath or tree},
         )
         for i, host in enumerate(hosts)
     ]
