@@ -78,10 +78,11 @@ async def turns_worker(small: int, big: int) -> None:
         await comm.all_reduce(x)
         await comm.all_reduce(y)
         ran = comm.all_reduce_choice(small).algorithm
-        held = len(comm._shm._claimed)
+        shm = comm._shm  # private: the turns it holds (None with DSML_SHM=0)
+        held = len(shm._claimed) if shm is not None else 0
         for _ in range(200):
             await comm.all_reduce(x)
-        held_after = len(comm._shm._claimed)
+        held_after = len(shm._claimed) if shm is not None else 0
         times = np.empty((4, 30))
         for i in range(times.shape[1]):
             order = [(0, "auto"), (1, ran)]  # each first in every other round (warm caches)
