@@ -12,8 +12,9 @@ each side's median call time, the spread over repeats, the 10th-90th percentiles
 timed call of every repeat (the line below each size), the bus bandwidth, `auto` against
 the best dsml algorithm, and Gloo's time over `auto`'s (> 1: dsml faster); and the cost
 model `auto` measured. With `--baseline DIR` each repeat also runs dsml imported from DIR
-(another checkout: before/after in one run), in columns prefixed `base-`. Needs root, iproute2 and torch; the namespaces are removed on exit.
-The hosts share this machine's CPUs, so at 10 Gbit the CPU, not the link, is the limit.
+(another checkout: before/after in one run), in columns prefixed `base-`. Needs root,
+iproute2 and torch; the namespaces are removed on exit. The hosts share this machine's
+CPUs, so at 10 Gbit the CPU, not the link, is the limit.
 A benchmark: it asserts nothing.
 """
 
