@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, os.environ.get("DSML_BENCH_TREE") or str(HERE.parent))  # --baseline
 
 ALGORITHMS = ("hierarchical", "ring", "mesh", "naive", "auto")
 PORT = 29541  # inside our own namespaces
@@ -61,16 +62,65 @@ async def worker(sizes: list[int]) -> None:
                 print("HIER_ROW " + json.dumps({"bytes": nbytes, "ran": ran, **row}), flush=True)
 
 
-def one_group(hosts, per_host: int, sizes: list[int]) -> list[dict]:
+async def turns_worker(small: int, big: int) -> None:
+    """What the shared-memory turns of multi-host auto calls cost (`--turns`).
+
+    A multi-host auto call takes a turn in the shared-memory link's queue when
+    `hierarchical` is eligible, whatever it then runs. Rank 0 prints: the turns still held
+    after 200 auto calls of `small` bytes that ran over TCP; auto against the algorithm it
+    ran, call by call; and `small` and `big` issued together (gather), the small one auto
+    or named, the big one auto (hierarchical).
+    """
+    import dsml
+
+    async with dsml.init() as comm:
+        x, y = np.ones(small // 4, np.float32), np.ones(big // 4, np.float32)
+        await comm.all_reduce(x)
+        await comm.all_reduce(y)
+        ran = comm.all_reduce_choice(small).algorithm
+        shm = comm._shm  # private: the turns it holds (None with DSML_SHM=0)
+        held = len(shm._claimed) if shm is not None else 0
+        for _ in range(200):
+            await comm.all_reduce(x)
+        held_after = len(shm._claimed) if shm is not None else 0
+        times = np.empty((4, 30))
+        for i in range(times.shape[1]):
+            order = [(0, "auto"), (1, ran)]  # each first in every other round (warm caches)
+            for a, name in order if i % 2 else order[::-1]:
+                await comm.barrier()
+                start = time.perf_counter()
+                await comm.all_reduce(x, algorithm=name)
+                times[a, i] = time.perf_counter() - start
+            for a, name in ((2, "auto"), (3, ran)):
+                await comm.barrier()
+                start = time.perf_counter()
+                await asyncio.gather(comm.all_reduce(x, algorithm=name), comm.all_reduce(y))
+                times[a, i] = time.perf_counter() - start
+        await comm.all_reduce(times, "max")
+        if comm.rank == 0:
+            med = [float(np.median(t)) * 1e3 for t in times]
+            row = {"small": small, "big": big, "ran": ran, "held": [held, held_after]}
+            names = ("auto", "named", "together_auto", "together_named")
+            row.update(zip(names, med, strict=True))
+            row["chunk"] = comm.all_reduce_choice(small).chunk_bytes
+            print("HIER_TURNS " + json.dumps(row), flush=True)
+
+
+def one_group(
+    hosts, per_host: int, sizes: list[int], turns: bool = False, pythonpath: str = ""
+) -> list[dict]:
     registry = f"tcp://{hosts[0].address}:{PORT}"
     argv = [sys.executable, "-m", "dsml", "run", "-n", str(per_host), "--nnodes", str(len(hosts))]
     csv = ",".join(map(str, sizes))
+    tree = os.environ.get("PYTHONPATH") or str(HERE.parent)
+    worker, tag = ("--turns-worker", "HIER_TURNS ") if turns else ("--worker", "HIER_ROW ")
     procs = [
         host.popen(
-            [*argv, "--node-rank", str(i), "--registry", registry, __file__, "--worker", csv],
+            [*argv, "--node-rank", str(i), "--registry", registry, __file__, worker, csv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env={**os.environ, "DSML_BENCH_TREE": pythonpath, "PYTHONPATH": pythonpath or tree},
         )
         for i, host in enumerate(hosts)
     ]
@@ -78,11 +128,7 @@ def one_group(hosts, per_host: int, sizes: list[int]) -> list[dict]:
     for p, out in zip(procs, outs, strict=True):
         if p.returncode != 0:
             raise RuntimeError(f"a host's launcher failed:\n{out}")
-    return [
-        json.loads(line.split("HIER_ROW ", 1)[1])
-        for line in outs[0].splitlines()
-        if "HIER_ROW " in line
-    ]
+    return [json.loads(line.split(tag, 1)[1]) for line in outs[0].splitlines() if tag in line]
 
 
 def parse_size(text: str) -> int:
@@ -94,6 +140,13 @@ def parse_size(text: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--turns-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--turns",
+        action="store_true",
+        help="what auto's shared-memory turns cost (--sizes SMALL,BIG)",
+    )
+    parser.add_argument("--baseline", default="", help="--turns: also run dsml from this tree")
     parser.add_argument("sizes_csv", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--per-host", type=int, default=2)
@@ -104,14 +157,25 @@ def main() -> None:
     if args.worker:
         asyncio.run(worker([int(s) for s in args.sizes_csv.split(",")]))
         return
+    if args.turns_worker:
+        small, big = (int(s) for s in args.sizes_csv.split(","))
+        asyncio.run(turns_worker(small, big))
+        return
     from dsml.testing.netns import netns_hosts
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     runs: list[list[dict]] = []
     with netns_hosts(args.hosts, rate=args.rate) as hosts:
-        for r in range(args.repeat):
+        for r in range(args.repeat if not args.turns else 0):
             runs.append(one_group(hosts, args.per_host, sizes))
             print(f"# repeat {r + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+        trees = ["", args.baseline] if args.baseline else [""]
+        for _ in range(args.repeat if args.turns else 0):
+            for tree in trees:  # interleaved: this tree, the baseline, this tree, ...
+                for row in one_group(hosts, args.per_host, sizes[:2], True, tree):
+                    print(json.dumps({"tree": tree or "this", **row}), flush=True)
+    if args.turns:
+        return
     print(
         f"# {args.hosts} hosts x {args.per_host} ranks at {args.rate}, float32 sum; median "
         f"call (slowest rank) in ms, median of {args.repeat} runs [min-max]"

@@ -2,15 +2,19 @@
 
     sudo python benchmarks/multihost.py                          # 1gbit and 10gbit, 3 repeats
     sudo python benchmarks/multihost.py --rates 1gbit --sizes 4K,1M,16M --repeat 5 --json out.json
+    sudo python benchmarks/multihost.py --rates 10gbit --sizes 16M --baseline /work/main  # A/B
 
 Builds `--hosts` network namespaces on one bridge (dsml.testing.netns: every link shaped
 both ways with tbf), one rank per host, and for each rate runs, `--repeat` times and
 interleaved (dsml, Gloo, dsml, Gloo, ...): every dsml algorithm (`auto` and each one by
 name, all in one group) and Gloo at every size. Prints per size the median over repeats of
-each side's median call time, the spread over repeats, the bus bandwidth, `auto` against
+each side's median call time, the spread over repeats, the 10th-90th percentiles of every
+timed call of every repeat (the line below each size), the bus bandwidth, `auto` against
 the best dsml algorithm, and Gloo's time over `auto`'s (> 1: dsml faster); and the cost
-model `auto` measured. Needs root, iproute2 and torch; the namespaces are removed on exit.
-The hosts share this machine's CPUs, so at 10 Gbit the CPU, not the link, is the limit.
+model `auto` measured. With `--baseline DIR` each repeat also runs dsml imported from DIR
+(another checkout: before/after in one run), in columns prefixed `base-`. Needs root,
+iproute2 and torch; the namespaces are removed on exit. The hosts share this machine's
+CPUs, so at 10 Gbit the CPU, not the link, is the limit.
 A benchmark: it asserts nothing.
 """
 
@@ -27,6 +31,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
@@ -37,6 +43,7 @@ from dsml.testing.netns import NetnsHosts, netns_hosts, unavailable_reason  # no
 ALGORITHMS = "auto,ring,mesh,tree,naive,direct"
 SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 WORKER = str(HERE / "multihost_worker.py")
+BASE = "base-"  # the prefix of --baseline's columns
 PORT = 29517  # the namespaces are ours alone: any fixed port is free there
 
 
@@ -73,13 +80,14 @@ def run_ranks(hosts: NetnsHosts, argv: list[str], env_of: Any, timeout_s: float)
     return outputs[0]
 
 
-def dsml_group(hosts: NetnsHosts, argv: list[str]) -> str:
+def dsml_group(hosts: NetnsHosts, argv: list[str], pythonpath: str = "") -> str:
     """Run argv as one dsml group, a rank per host (registry on host 0); rank 0's output."""
     address = f"tcp://{hosts[0].address}:{PORT}"
     registry = hosts[0].popen(
         [sys.executable, "-m", "dsml", "registry", "--address", address],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})},
     )
     try:
         assert registry.stdout is not None
@@ -94,6 +102,7 @@ def dsml_group(hosts: NetnsHosts, argv: list[str]) -> str:
                 "DSML_WORLD_SIZE": str(len(hosts)),
                 "DSML_RANK": str(r),
                 "DSML_BIND": f"tcp://{hosts[r].address}:0",
+                **({"PYTHONPATH": pythonpath} if pythonpath else {}),
             },
             timeout_s=1800,
         )
@@ -103,13 +112,19 @@ def dsml_group(hosts: NetnsHosts, argv: list[str]) -> str:
 
 
 def dsml_run(
-    hosts: NetnsHosts, sizes: list[int], algorithms: str, budget: float, chunk_bytes: int = 0
+    hosts: NetnsHosts,
+    sizes: list[int],
+    algorithms: str,
+    budget: float,
+    chunk_bytes: int = 0,
+    pythonpath: str = "",
 ) -> str:
-    """Every algorithm at every size in one group of len(hosts) ranks."""
+    """Every algorithm at every size in one group of len(hosts) ranks (dsml imported from
+    `pythonpath` when given: another checkout, for a before/after comparison)."""
     argv = [sys.executable, WORKER, "dsml", "--sizes", ",".join(map(str, sizes))]
     argv += ["--algorithms", algorithms, "--budget", str(budget)]
     argv += ["--chunk-bytes", str(chunk_bytes)] if chunk_bytes else []
-    return dsml_group(hosts, argv)
+    return dsml_group(hosts, argv, pythonpath)
 
 
 def gloo_run(hosts: NetnsHosts, sizes: list[int], budget: float) -> str:
@@ -131,7 +146,9 @@ def summarize(rate: str, rows: list[dict[str, Any]], models: list[dict[str, Any]
         runs[(r["bytes"], r["algorithm"])].append(r["median_s"])
         if r["algorithm"] == "auto":
             chosen[r["bytes"]].add(f"{r['chosen']}/{r['chunk_bytes'] >> 10}K")
-    names = [n for n in [*ALGORITHMS.split(","), "gloo"] if any(k[1] == n for k in runs)]
+    algorithms = ALGORITHMS.split(",")
+    known = [*algorithms, *(f"{BASE}{a}" for a in algorithms), "gloo"]
+    names = [n for n in known if any(k[1] == n for k in runs)]
     world = rows[0]["world_size"] if rows else 0
     print(f"\n## {rate}, {world} hosts: median ms over repeats (spread = (max-min)/median)")
     for m in models[:1]:
@@ -141,6 +158,9 @@ def summarize(rate: str, rows: list[dict[str, Any]], models: list[dict[str, Any]
         + " ".join(f"{n:>14}" for n in names)
         + f" {'auto busbw':>10} {'auto/best':>9} {'gloo/auto':>9}  auto chose"
     )
+    pooled: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for r in rows:
+        pooled[(r["bytes"], r["algorithm"])] += r.get("times_s", [])
     for nbytes in sorted({k[0] for k in runs}):
         med = {n: statistics.median(runs[(nbytes, n)]) for n in names if runs[(nbytes, n)]}
         cells = []
@@ -151,7 +171,7 @@ def summarize(rate: str, rows: list[dict[str, Any]], models: list[dict[str, Any]
                 continue
             spread = (max(ts) - min(ts)) / med[n] * 100
             cells.append(f"{med[n] * 1e3:>8.2f} ±{spread:>3.0f}%")
-        dsml_best = min(med[n] for n in med if n not in ("auto", "gloo"))
+        dsml_best = min(med[n] for n in med if n in algorithms and n != "auto")
         auto = med.get("auto", float("nan"))
         busbw = nbytes / auto / 1e9 * 2 * (world - 1) / world
         gloo = med.get("gloo", float("nan"))
@@ -161,6 +181,16 @@ def summarize(rate: str, rows: list[dict[str, Any]], models: list[dict[str, Any]
             + f" {busbw:>10.4f} {auto / dsml_best:>9.2f} {gloo / auto:>9.2f}  "
             + ",".join(sorted(chosen[nbytes]))
         )
+        quantiles = [_quantiles(pooled.get((nbytes, n), [])) for n in names]
+        print(f"  {'':>9} " + " ".join(f"{q:>14}" for q in quantiles) + "  (every call: p10-p90)")
+
+
+def _quantiles(times: list[float]) -> str:
+    """'p10-p90' in ms of every timed call of every repeat ('-' without per-call times)."""
+    if not times:
+        return "-"
+    p10, p90 = (float(v) * 1e3 for v in np.percentile(times, [10, 90]))
+    return f"{p10:.1f}-{p90:.1f}"
 
 
 def main() -> None:
@@ -172,6 +202,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--budget", type=float, default=1.5, help="seconds per measurement")
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="also run dsml from this checkout (its columns are prefixed 'base-')",
+    )
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args()
     reason = unavailable_reason()
@@ -188,6 +223,12 @@ def main() -> None:
                 start = time.perf_counter()
                 out = dsml_run(hosts, sizes, args.algorithms, args.budget)
                 rows += [{**r, "repeat": rep} for r in tagged(out, "MULTIHOST_ROW ")]
+                if args.baseline:
+                    out = dsml_run(hosts, sizes, args.algorithms, args.budget, 0, args.baseline)
+                    rows += [
+                        {**r, "algorithm": BASE + r["algorithm"], "repeat": rep}
+                        for r in tagged(out, "MULTIHOST_ROW ")
+                    ]
                 models += tagged(out, "MULTIHOST_MODEL ")
                 if not args.no_gloo:
                     out = gloo_run(hosts, sizes, args.budget)
