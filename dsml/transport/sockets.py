@@ -17,12 +17,15 @@ socket.
 
 With a `Curve`, an endpoint is a CURVE server that admits only allowlisted keys and a
 channel a CURVE client; without one, sockets use ZeroMQ's NULL mechanism as before.
+
+The reader of each socket is in socket_reader.py, the frames and non-blocking sends in
+socket_send.py; the endpoint and the channel over them, and waiting for a closed
+endpoint's socket to be destroyed, are here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -30,11 +33,13 @@ from typing import Any
 
 import zmq
 
-from ..errors import ConfigError, DsmlError, ProtocolError
-from ..log import Throttle
-from ..wire import MAX_ENVELOPE_BYTES, Envelope, decode, encode
+from ..errors import ConfigError, DsmlError
+from ..wire import MAX_ENVELOPE_BYTES, Envelope
 from .context import check_address, new_socket
 from .curve import Curve, make_curve_client, make_curve_server
+from .socket_reader import _EVENTS, _FD, _NOBLOCK, _POLLIN, Handler, _Reader
+from .socket_send import _frame_of as _frame_of  # tests/test_transport_forward.py
+from .socket_send import _frames, _send, _try_send, _zero_copy_frames
 from .tracker import DONE, Sent
 from .watch import DisconnectWatch
 
@@ -42,190 +47,13 @@ __all__ = ["Channel", "Endpoint", "Handler"]
 
 log = logging.getLogger("dsml.transport")
 
-#: handler(sender_identity, envelope, payload_frames); must not block.
-Handler = Callable[[bytes, Envelope, list[memoryview]], None]
-
-_MAX_PAYLOAD_FRAMES = 4096
 _HWM = 100_000
-_BATCH = 256  # messages handled before the reader yields to other tasks
-# Plain ints: pyzmq's enum flags cost a conversion per frame, which shows on small messages.
-_EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
-_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-_FULL_POLL_S = 0.001  # re-try interval of a send that found the queue full (rare)
 _monitor_ids = itertools.count()  # names of the monitors that watch endpoints close
 #: Longest wait for ZeroMQ to destroy a closed endpoint: milliseconds in practice (the
 #: waits of seconds once seen in daemon jobs came with the former wait in a thread, which
 #: a cancelled close broke; see `_monitor_stopped`). Past the wait, close returns; a
 #: caller rebinding that port at once may then find it taken a moment longer.
 _CLOSE_WAIT_S = 1.0
-_DROP_LOG_INTERVAL_S = 10.0  # a flood of bad messages: one line per sender per interval
-
-
-class _Reader:
-    """The single reader of one socket: drains it whenever its descriptor fires.
-
-    It runs as an event-loop reader callback rather than as a task: a task would cost one
-    more scheduling round per wake-up, which on loopback is a measurable share of a small
-    collective. After `_BATCH` messages it re-schedules itself so other work can run.
-    """
-
-    def __init__(
-        self,
-        sock: zmq.Socket[bytes],
-        handler: Handler,
-        *,
-        routed: bool,
-        max_envelope_bytes: int,
-        name: str,
-    ) -> None:
-        self.dropped = 0
-        self.received = 0
-        self.name = name
-        self._sock = sock
-        self._handler = handler
-        self._routed = routed
-        self._max_envelope_bytes = max_envelope_bytes
-        self._drop_log = Throttle(_DROP_LOG_INTERVAL_S)
-        self._scheduled = False
-        self._closed = False
-        self._loop = asyncio.get_running_loop()
-        self._fd: int = sock.get(_FD)  # type: ignore[assignment]
-        self._loop.add_reader(self._fd, self._on_readable)
-        self._schedule()  # messages may already be queued
-
-    def kick(self) -> None:
-        """Re-check the socket: a send on it may have consumed the readable edge."""
-        self._schedule()
-
-    def _schedule(self) -> None:
-        if not self._scheduled and not self._closed:
-            self._scheduled = True
-            self._loop.call_soon(self._on_readable)
-
-    def _on_readable(self) -> None:
-        self._scheduled = False
-        if self._closed:
-            return
-        sock = self._sock
-        for _ in range(_BATCH):
-            if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                return
-            frame = sock.recv(_NOBLOCK, copy=False)
-            frames = [frame]
-            while frame.more:  # the rest of a multipart message is already here
-                frame = sock.recv(_NOBLOCK, copy=False)
-                frames.append(frame)
-            self.received += 1
-            self._dispatch(frames)
-        self._schedule()  # more may be queued: go on after others had a turn
-
-    def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        sender = frames[0].bytes if self._routed else b""
-        parts = frames[1:] if self._routed else frames
-        try:
-            if not parts or len(parts) > _MAX_PAYLOAD_FRAMES + 1:
-                raise ProtocolError(f"message of {len(parts)} frames")
-            env = decode(parts[0].buffer, max_bytes=self._max_envelope_bytes)
-        except ProtocolError as exc:
-            self.dropped += 1
-            self._drop_log.warning(
-                log, sender, "dropped a malformed message from %r: %s", sender[:32], exc
-            )
-            return
-        try:
-            self._handler(sender, env, [frame.buffer for frame in parts[1:]])
-        except ProtocolError as exc:
-            self.dropped += 1
-            self._drop_log.warning(
-                log, sender, "dropped a %s message from %r: %s", env.kind.name, sender[:32], exc
-            )
-        except Exception:  # a handler bug must not kill the only reader of the socket
-            self.dropped += 1
-            log.exception("handler failed on a %s message; message dropped", env.kind.name)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._fd)
-
-
-def _frames(env: Envelope, payload: Sequence[Any]) -> list[Any]:
-    return [encode(env), *payload]
-
-
-def _zero_copy_frames(
-    payload: Sequence[Any], threshold: int
-) -> tuple[list[Any], zmq.MessageTracker | None]:
-    """Wrap the buffers that are large enough to go without copying in tracked frames.
-
-    pyzmq's `send_multipart(track=True)` tracks only the last frame, so each large buffer
-    gets its own tracked frame and the receipt watches all of them. A whole received
-    frame passed on (the ring's all-gather forwards what arrives; its reduce-scatter
-    forwards partial sums written over what arrived) goes as that frame:
-    libzmq shares its memory, and with nothing of ours in it there is nothing to track
-    (and no hand-back to pyzmq's collector thread when libzmq is done with it).
-    """
-    parts: list[Any] = []
-    tracked: list[zmq.Frame] = []
-    for buf in payload:
-        nbytes = memoryview(buf).nbytes
-        owner = _frame_of(buf) if nbytes >= threshold else None
-        if owner is not None and nbytes == len(owner):
-            parts.append(owner)
-        elif nbytes >= threshold:
-            frame = zmq.Frame(buf, copy=False, track=True)
-            tracked.append(frame)
-            parts.append(frame)
-        else:
-            parts.append(buf)
-    return parts, zmq.MessageTracker(*tracked) if tracked else None
-
-
-def _frame_of(buf: Any) -> zmq.Frame | None:
-    """The received frame whose memory `buf` views, if any (else None).
-
-    Follows memoryview owners and array bases, so a reduction written into a received
-    frame (`ArrayBackend.combine`) and sent on as an array's bytes is recognised too. A
-    view as long as its frame is the whole frame: views never reach outside their base.
-    """
-    owner = buf
-    for _ in range(8):  # a view of a view of ...: a few levels at most
-        if isinstance(owner, zmq.Frame):
-            return owner
-        nxt = owner.obj if isinstance(owner, memoryview) else getattr(owner, "base", None)
-        if nxt is None:
-            return None
-        owner = nxt
-    return None
-
-
-def _try_send(sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
-    """Queue a multipart message without blocking; False (nothing queued) if it is full.
-
-    ZeroMQ checks the high-water mark at the first frame of a message only, so once the
-    first frame is queued the others are too.
-    """
-    last = len(frames) - 1
-    try:
-        sock.send(frames[0], _MORE if last else _NOBLOCK, copy=False)
-    except zmq.Again:
-        return False
-    for index in range(1, last + 1):
-        sock.send(frames[index], _MORE if index < last else _NOBLOCK, copy=False)
-    return True
-
-
-async def _send(sock: zmq.Socket[bytes], frames: list[Any], check: Callable[[], None]) -> None:
-    """Send without blocking the loop; when the queue is full, retry until it is not.
-
-    A full queue (100,000 messages) means the peer is gone or far behind, so a 1 ms poll
-    costs nothing that matters; watching the descriptor instead would need a second
-    reader on a socket that may already have one. `check()` runs before each retry and
-    raises to give up.
-    """
-    while not _try_send(sock, frames):
-        check()
-        await asyncio.sleep(_FULL_POLL_S)
 
 
 class Endpoint:
