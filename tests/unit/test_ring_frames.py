@@ -51,11 +51,16 @@ async def ring(size: int, xs: list[np.ndarray], op: str, writable: bool) -> list
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
-@pytest.mark.parametrize("dtype", ["float32", "float64", "int64"])
-@pytest.mark.parametrize("op", ["sum", "avg", "prod", "min", "max"])
+@pytest.mark.parametrize(
+    ("dtype", "op"),
+    [
+        (dtype, op)
+        for dtype in ("float32", "float64", "int64")
+        for op in ("sum", "avg", "prod", "min", "max")
+        if not (op == "avg" and dtype == "int64")  # avg is for floating types
+    ],
+)
 async def test_sums_over_frames_match_sums_in_work_bit_for_bit(size, dtype, op):
-    if op == "avg" and dtype == "int64":
-        pytest.skip("avg is for floating types")
     for count in (0, 1, size - 1, 101):
         xs = inputs(size, count, dtype)
         in_frames = await ring(size, xs, op, writable=True)
