@@ -8,8 +8,10 @@ torch.distributed (Gloo, over eth0) at --master with RANK / WORLD_SIZE. Both tim
 float32 sum all_reduce the same way: warm-up calls, then timed calls each preceded by a
 barrier, a call's time being the slowest rank's; the number of timed calls is chosen from
 the warm-up so each measurement takes about --budget seconds (3 to 50 calls; every rank
-uses rank 0's count). Rank 0 prints one `MULTIHOST_ROW {json}` line per measurement, and
-for dsml the measured cost model (`MULTIHOST_MODEL`) once it exists.
+uses rank 0's count). dsml's algorithms at one size are timed interleaved, call by call,
+so that they meet the same spells of a busy machine. Rank 0 prints one `MULTIHOST_ROW
+{json}` line per measurement, and for dsml the measured cost model (`MULTIHOST_MODEL`)
+once it exists.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import Any
 import numpy as np
 
 TAG_ROW, TAG_MODEL = "MULTIHOST_ROW ", "MULTIHOST_MODEL "
-#: rank 0's CPU seconds (user, system) per timed call of the last measurement, barriers
-#: included (its own threads, not the kernel's softirq work done on its behalf elsewhere)
+#: rank 0's CPU seconds (user, system) per timed call of the last measurement (Gloo:
+#: barriers included; dsml: the call alone), its own threads' (not the kernel's softirq
+#: work done on its behalf elsewhere)
 CPU_PER_CALL = [0.0, 0.0]
 
 
@@ -61,21 +64,64 @@ async def dsml_side(args: argparse.Namespace) -> None:
     config = CommConfig(chunk_bytes=args.chunk_bytes) if args.chunk_bytes else None
     async with dsml.init(config=config) as comm:
         for nbytes in args.sizes:
-            for algorithm in args.algorithms:
-                x = np.zeros(nbytes // 4, dtype=np.float32)
-
-                async def once(x: np.ndarray = x, algorithm: str = algorithm) -> None:
-                    await comm.all_reduce(x, algorithm=algorithm)
-
-                times = await _timed(once, comm.barrier, _dsml_max(comm), args.budget)
-                if comm.rank == 0:
-                    choice = comm.all_reduce_choice(nbytes)
-                    chosen = {"chosen": choice.algorithm, "chunk_bytes": choice.chunk_bytes}
+            arrays = [np.zeros(nbytes // 4, dtype=np.float32) for _ in args.algorithms]
+            onces = [
+                _call(comm, x, algorithm)
+                for x, algorithm in zip(arrays, args.algorithms, strict=True)
+            ]
+            timed = await _timed_together(onces, comm.barrier, _dsml_max(comm), args.budget)
+            if comm.rank == 0:
+                choice = comm.all_reduce_choice(nbytes)
+                chosen = {"chosen": choice.algorithm, "chunk_bytes": choice.chunk_bytes}
+                for algorithm, (times, cpu) in zip(args.algorithms, timed, strict=True):
+                    CPU_PER_CALL[:] = cpu
                     extra = chosen if algorithm == "auto" else {}
                     print(row(nbytes, comm.world_size, algorithm, times, **extra), flush=True)
             model = comm.cost_model
             if comm.rank == 0 and model is not None and nbytes == args.sizes[0]:
                 print(TAG_MODEL + json.dumps(model.to_fields()), flush=True)
+
+
+def _call(comm: Any, x: np.ndarray, algorithm: str) -> Callable[[], Awaitable[None]]:
+    async def once() -> None:
+        await comm.all_reduce(x, algorithm=algorithm)
+
+    return once
+
+
+async def _timed_together(
+    onces: list[Callable[[], Awaitable[None]]],
+    barrier: Callable[[], Awaitable[None]],
+    reduce_max: Callable[[np.ndarray], Awaitable[np.ndarray]],
+    budget_s: float,
+) -> list[tuple[np.ndarray, list[float]]]:
+    """Time several ways of making the call, interleaved call by call (A, B, C, A, B, C,
+    ...), so that the machine's slow and fast spells fall on each alike: on 2 shared cores
+    the medians of blocks of calls timed one way after the other differed by up to 2x from
+    run to run at 4-256 KiB, which no 10% comparison survives. Per way: (the slowest
+    rank's time of each call, rank 0's CPU seconds per call, user and system)."""
+    warm = np.zeros(len(onces))
+    for _ in range(2):
+        for j, once in enumerate(onces):
+            await barrier()
+            start = time.perf_counter()
+            await once()
+            warm[j] = time.perf_counter() - start
+    await reduce_max(warm)
+    calls = calls_for(float(warm.sum()), budget_s * len(onces))
+    times = np.empty((len(onces), calls))
+    cpu = np.zeros((len(onces), 2))
+    for i in range(calls):
+        for j, once in enumerate(onces):
+            await barrier()
+            before = os.times()
+            start = time.perf_counter()
+            await once()
+            times[j, i] = time.perf_counter() - start
+            after = os.times()
+            cpu[j] += (after.user - before.user, after.system - before.system)
+    await reduce_max(times)
+    return [(times[j], list(cpu[j] / calls)) for j in range(len(onces))]
 
 
 def _dsml_max(comm: Any) -> Callable[[np.ndarray], Awaitable[np.ndarray]]:

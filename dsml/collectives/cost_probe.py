@@ -254,14 +254,36 @@ async def _race_all(group: Group, sent: list[Receipt]) -> tuple[tuple[str, int, 
     rows = []
     for nbytes in _RACED_SIZES:
         rounds = _ROUNDS if nbytes >= _RACE_BYTES else _SMALL_ROUNDS
-        for name, algorithm in _ALGORITHMS.items():
-            if nbytes == _RACE_BYTES and name in ("ring", "mesh"):
-                continue  # raced by _race
-            whole = WithChunk(group, nbytes)
-            seconds = await _time(group, whole, algorithm, nbytes, sync, sent, rounds)
-            rows.append((name, nbytes, seconds))
-            sync += rounds + 1
+        # (at _RACE_BYTES the ring and the mesh were raced by _race)
+        names = [n for n in _ALGORITHMS if nbytes < _RACE_BYTES or n not in ("ring", "mesh")]
+        medians = await _race_size(group, nbytes, names, sync, sent, rounds)
+        rows += [(name, nbytes, seconds) for name, seconds in zip(names, medians, strict=True)]
+        sync += (rounds + 1) * len(names)
     return tuple(rows)
+
+
+async def _race_size(
+    group: Group, nbytes: int, names: list[str], sync: int, sent: list[Receipt], rounds: int
+) -> list[float]:
+    """Median seconds of each named algorithm on nbytes (float32 sum, one chunk per
+    stream) over `rounds` after a warm-up, the algorithms taking turns call by call (A, B,
+    C, A, B, C, ...): a slow spell of a busy host then falls on each alike, where blocks
+    of calls timed one algorithm after the other let it decide the race (on 4 namespaced
+    hosts sharing 2 cores, auto's choice at 64 KiB changed from one probe to the next).
+    Each call is started by a token around the ring (sync numbers from `sync` on)."""
+    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    whole = WithChunk(group, nbytes)
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    work, dst = np.empty_like(src), np.empty_like(src)
+    times: list[list[float]] = [[] for _ in names]
+    for i in range(rounds + 1):
+        for j, name in enumerate(names):
+            await _sync(group, right, left, sync + i * len(names) + j, sent)
+            start = time.perf_counter()
+            pending = await _ALGORITHMS[name](whole, NUMPY, src, work, dst, ReduceOp.SUM)
+            times[j].append(time.perf_counter() - start)
+            await wait_receipts(pending)
+    return [statistics.median(t[1:]) for t in times]
 
 
 async def _time(
