@@ -244,7 +244,8 @@ class ShmMapping:
         self._raw = [None] * self.size
         self._records = {}
         self._areas = [None] * self.size
-        held = [seg for seg in [*self._control, *self._data] if seg and not seg.close()]
+        segments = [seg for seg in [*self._control, *self._data] if seg is not None]
+        held = [seg for seg in segments if not seg.close()]  # close() says if it unmapped
         if held:
             # Views still alive: most often locals of a failed call's traceback, which is
             # a reference cycle; collect it now rather than keep each map's descriptor
