@@ -20,7 +20,7 @@ import dsml
 from dsml.cli.nodes import NodeShape, link_address
 from dsml.cli.run import check_running_group, node_zero_bind
 from dsml.membership import query_status
-from dsml.testing import open_local_cluster
+from dsml.testing import crash, open_local_cluster
 from tests.test_launch_launchers import assert_one_group, clean_env, free_port, reports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +130,18 @@ async def test_check_running_group_refuses_a_launch_of_another_world_size() -> N
         await check_running_group(cluster.registry.address, 2)  # the same size: fine
         with pytest.raises(dsml.ConfigError, match=r"world size 2 running.*group of 3"):
             await check_running_group(cluster.registry.address, 3)
+
+
+async def test_check_running_group_waits_out_a_group_whose_ranks_all_died() -> None:
+    """Ranks killed without leaving stay listed until the heartbeat timeout evicts them:
+    a launch of another size right after waits for that, not refused for a dead group."""
+    fast = dsml.RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=1.0)
+    async with open_local_cluster(2, registry_config=fast) as cluster:
+        for comm in cluster:
+            await crash(comm)
+        await check_running_group(cluster.registry.address, 3)  # no ConfigError
+        status = await query_status(cluster.registry.address)
+        assert not status["formed"], status
 
 
 # -- dsml.init(address) without world_size ----------------------------------------------------

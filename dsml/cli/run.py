@@ -164,21 +164,40 @@ async def launch(
 async def check_running_group(registry: str, world_size: int, curve: Any = None) -> None:
     """Refuse to start ranks for a group of another size than the registry's.
 
+    A group whose ranks all ended may still be listed until the registry's heartbeat
+    timeout evicts the last of them (a rank stopped while it was leaving), so a group of
+    another size is waited out while none of its members heartbeats, for up to that
+    timeout; one heartbeat, or the timeout passed, and the launch is refused.
+
     Raises:
         ConfigError: a group of another world size is running or forming there.
     """
-    try:
-        status = await query_status(registry, registry_timeout=2.0, curve=curve)
-    except DsmlError:
-        return  # not up yet: the ranks wait for it and say so if it never comes
-    size = status.get("world_size")
-    if type(size) is int and size and size != world_size:
-        state = "running" if status.get("formed") else "forming"
-        raise ConfigError(
-            f"the registry at {registry} has a group of world size {size} "
-            f"{state}, but this launch would start ranks of a group of {world_size}: start "
-            "every launch of one job with the same -n (and --nnodes)"
-        )
+    loop = asyncio.get_running_loop()
+    seen: dict[Any, Any] | None = None  # heartbeats counted per member at the first look
+    deadline = None
+    while True:
+        try:
+            status = await query_status(registry, registry_timeout=2.0, curve=curve)
+        except DsmlError:
+            return  # not up yet: the ranks wait for it and say so if it never comes
+        size = status.get("world_size")
+        if not (type(size) is int and size and size != world_size):
+            return
+        beats = {m.get("rank"): m.get("heartbeats") for m in status.get("members") or []}
+        if seen is None:
+            seen = beats
+            timeout = status.get("heartbeat_timeout")
+            wait_s = float(timeout) + 0.5 if isinstance(timeout, int | float) else 0.0
+            deadline = loop.time() + wait_s
+        alive = any(seen.get(rank) != count for rank, count in beats.items())
+        if not status.get("formed") or alive or loop.time() >= (deadline or 0.0):
+            state = "running" if status.get("formed") else "forming"
+            raise ConfigError(
+                f"the registry at {registry} has a group of world size {size} "
+                f"{state}, but this launch would start ranks of a group of {world_size}: "
+                "start every launch of one job with the same -n (and --nnodes)"
+            )
+        await asyncio.sleep(0.1)
 
 
 async def launch_node(
