@@ -61,7 +61,7 @@ class ReductionPlans(PlannerBase):
             not in_shm
             and asked in ("auto", "hierarchical")
             and shm is not None
-            and shm.claim_hierarchical(be)
+            and shm.claim_hierarchical(be, auto=asked == "auto")
         )
         hier = asked == "hierarchical" and can_hier
         # Across hosts, auto runs what the view's measured cost model picks (agreed by all

@@ -53,6 +53,9 @@ class ShmHook:
         #: more processes share this host's memory than it has CPUs (see `_run`)
         self._crowded = False
         self._all_local = False  # the view's whole group shares this host's memory
+        #: the view's hierarchical ring (this rank's peers with its local index), if any
+        self._ring_ranks: list[int] | None = None
+        self._local_peers = False  # some other rank of the view shares this host's memory
         self.plane = SameHost(
             enabled=config.shm,
             stage_bytes=config.shm_stage_bytes,
@@ -67,6 +70,8 @@ class ShmHook:
         self.plane.set_view(view.epoch, members, rank)
         local = self.plane.local_ranks
         self._all_local = self.plane.all_local
+        self._ring_ranks = self.plane.ring_ranks()  # once per view: planning stays cheap
+        self._local_peers = len(local) > 1
         self._crowded = len({members[r].pid for r in local}) > _cpus()
 
     def claim(self, be: ArrayBackend) -> bool:
@@ -75,9 +80,14 @@ class ShmHook:
         gives the same. If so, the call takes its turn (see `_wait_turn`)."""
         return self._all_local and _is_numpy(be) and self._take_turn()
 
-    def claim_hierarchical(self, be: ArrayBackend) -> bool:
-        """Like `claim`, for a hierarchical all_reduce (several hosts, as many ranks each)."""
-        return _is_numpy(be) and self.plane.ring_ranks() is not None and self._take_turn()
+    def claim_hierarchical(self, be: ArrayBackend, auto: bool = False) -> bool:
+        """Like `claim`, for a hierarchical all_reduce (several hosts, as many ranks each).
+        For `auto` only where hosts run two ranks or more: with one rank per host the
+        hierarchical all_reduce is the ring between hosts, and the turn it would take
+        only costs the call (same answer on every rank: it depends on the view)."""
+        if self._ring_ranks is None or not _is_numpy(be):
+            return False
+        return (self._local_peers or not auto) and self._take_turn()
 
     def _take_turn(self) -> bool:
         # Planning happens right after the runner numbered the call, in program order.
@@ -117,7 +127,7 @@ class ShmHook:
         self, call: Call, src: Array, dst: Array, op: ReduceOp
     ) -> None:
         """dst = all-reduce of src: shared memory in each host, a ring between hosts."""
-        ranks = self.plane.ring_ranks()
+        ranks = self._ring_ranks
         assert ranks is not None
         ring = _Ring(call, ranks)
 
