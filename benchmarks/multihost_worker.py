@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -98,8 +99,12 @@ async def _timed_together(
     """Time several ways of making the call, interleaved call by call (A, B, C, A, B, C,
     ...), so that the machine's slow and fast spells fall on each alike: on 2 shared cores
     the medians of blocks of calls timed one way after the other differed by up to 2x from
-    run to run at 4-256 KiB, which no 10% comparison survives. Per way: (the slowest
-    rank's time of each call, rank 0's CPU seconds per call, user and system)."""
+    run to run at 4-256 KiB, which no 10% comparison survives. Each round takes the ways in
+    another order (shuffled, seeded by the round: alike on every rank), so each way
+    follows each other alike: what a call leaves behind (the shapers' token buckets
+    emptied by direct's 768 KiB per rank at 256 KiB) fell on the way that always came
+    next, 8-11% slower there. Per way: (the slowest rank's
+    time of each call, rank 0's CPU seconds per call, user and system)."""
     warm = np.zeros(len(onces))
     for _ in range(2):
         for j, once in enumerate(onces):
@@ -111,8 +116,10 @@ async def _timed_together(
     calls = calls_for(float(warm.sum()), budget_s * len(onces))
     times = np.empty((len(onces), calls))
     cpu = np.zeros((len(onces), 2))
+    ways = len(onces)
     for i in range(calls):
-        for j, once in enumerate(onces):
+        for j in random.Random(i).sample(range(ways), ways):  # the same order on every rank
+            once = onces[j]
             await barrier()
             before = os.times()
             start = time.perf_counter()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dsml.collectives.cost import CostModel
-from dsml.collectives.cost_probe import measure_cost
+from dsml.collectives.cost_probe import measure_cost, round_order
 from dsml.collectives.group import Lane, Received
 from dsml.errors import ProtocolError
 
@@ -154,3 +154,18 @@ async def test_a_malformed_model_from_rank_0_is_a_protocol_error() -> None:
     )
     assert isinstance(results[0], CostModel)
     assert isinstance(results[1], ProtocolError)
+
+
+def test_the_race_order_is_a_fixed_permutation_that_varies_which_algorithm_follows_which() -> None:
+    """Every rank must time the algorithms in the same order (the calls are collectives),
+    and over a race's rounds each algorithm should follow several others, not always the
+    same one (whose leftovers, an emptied shaper bucket, it would pay for)."""
+    orders = [round_order(i, 5) for i in range(8)]
+    assert orders == [round_order(i, 5) for i in range(8)]  # fixed: no hidden state
+    assert all(sorted(o) == list(range(5)) for o in orders)
+    assert len({tuple(o) for o in orders}) >= 6
+    for name in range(5):
+        before = {o[o.index(name) - 1] for o in orders if o.index(name) > 0}
+        assert len(before) >= 2, (name, orders)
+    assert round_order(0, 1) == [0]
+    assert round_order(3, 0) == []

@@ -266,10 +266,13 @@ async def _race_size(
     group: Group, nbytes: int, names: list[str], sync: int, sent: list[Receipt], rounds: int
 ) -> list[float]:
     """Median seconds of each named algorithm on nbytes (float32 sum, one chunk per
-    stream) over `rounds` after a warm-up, the algorithms taking turns call by call (A, B,
-    C, A, B, C, ...): a slow spell of a busy host then falls on each alike, where blocks
-    of calls timed one algorithm after the other let it decide the race (on 4 namespaced
-    hosts sharing 2 cores, auto's choice at 64 KiB changed from one probe to the next).
+    stream) over `rounds` after a warm-up, the algorithms taking turns call by call: a
+    slow spell of a busy host then falls on each alike, where blocks of calls timed one
+    algorithm after the other let it decide the race (on 4 namespaced hosts sharing 2
+    cores, auto's choice at 64 KiB changed from one probe to the next). Each round takes
+    them in another order (`round_order`), so none always follows the same one: what a
+    call leaves behind, such as a shaper's token bucket emptied by direct's (P-1) n bytes
+    per rank, would otherwise always fall on the same algorithm (8-11% at 256 KiB, 1 Gbit).
     Each call is started by a token around the ring (sync numbers from `sync` on)."""
     right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
     whole = WithChunk(group, nbytes)
@@ -277,13 +280,26 @@ async def _race_size(
     work, dst = np.empty_like(src), np.empty_like(src)
     times: list[list[float]] = [[] for _ in names]
     for i in range(rounds + 1):
-        for j, name in enumerate(names):
-            await _sync(group, right, left, sync + i * len(names) + j, sent)
+        for k, j in enumerate(round_order(i, len(names))):
+            name = names[j]
+            await _sync(group, right, left, sync + i * len(names) + k, sent)
             start = time.perf_counter()
             pending = await _ALGORITHMS[name](whole, NUMPY, src, work, dst, ReduceOp.SUM)
             times[j].append(time.perf_counter() - start)
             await wait_receipts(pending)
     return [statistics.median(t[1:]) for t in times]
+
+
+def round_order(i: int, n: int) -> list[int]:
+    """A permutation of range(n) for round i, shuffled by a fixed integer generator: the
+    same on every rank (no `random`, whose algorithms may differ between Python versions)
+    and different from round to round."""
+    order, state = list(range(n)), (i * 2654435761 + 1) & 0x7FFFFFFF
+    for k in range(n - 1, 0, -1):
+        state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+        j = (state >> 16) % (k + 1)  # (an LCG's low bits repeat)
+        order[k], order[j] = order[j], order[k]
+    return order
 
 
 async def _time(
