@@ -10,9 +10,11 @@ interleaved (dsml, Gloo, dsml, Gloo, ...): every dsml algorithm (`auto` and each
 name, all in one group) and Gloo at every size. Prints per size the median over repeats of
 each side's median call time, the spread over repeats, the 10th-90th percentiles of every
 timed call of every repeat (the line below each size), the bus bandwidth, `auto` against
-the best dsml algorithm, and Gloo's time over `auto`'s (> 1: dsml faster); and the cost
-model `auto` measured. With `--baseline DIR` each repeat also runs dsml imported from DIR
-(another checkout: before/after in one run), in columns prefixed `base-`. Needs root,
+the best dsml algorithm (`auto/best`: of the medians over repeats; `paired`: within each
+repeat, median over repeats), and Gloo's time over `auto`'s (> 1: dsml faster); and the
+cost model `auto` measured, with how long its probe took. With `--baseline DIR` each
+repeat also runs dsml imported from DIR (another checkout: before/after in one run), in
+columns prefixed `base-`. Needs root,
 iproute2 and torch; the namespaces are removed on exit. The hosts share this machine's
 CPUs, so at 10 Gbit the CPU, not the link, is the limit.
 A benchmark: it asserts nothing.
@@ -152,11 +154,15 @@ def summarize(rate: str, rows: list[dict[str, Any]], models: list[dict[str, Any]
     world = rows[0]["world_size"] if rows else 0
     print(f"\n## {rate}, {world} hosts: median ms over repeats (spread = (max-min)/median)")
     for m in models[:1]:
-        print(f"# measured model: {CostModel.from_fields(m).describe()}")
+        fields = {k: v for k, v in m.items() if k != "probe_s"}
+        print(f"# measured model: {CostModel.from_fields(fields).describe()}")
+    probes = [m["probe_s"] for m in models if "probe_s" in m]
+    if probes:
+        print(f"# the probe (first auto call) took {', '.join(f'{s:.2f}' for s in probes)} s")
     print(
         f"# {'bytes':>9} "
         + " ".join(f"{n:>14}" for n in names)
-        + f" {'auto busbw':>10} {'auto/best':>9} {'gloo/auto':>9}  auto chose"
+        + f" {'auto busbw':>10} {'auto/best':>9} {'paired':>6} {'gloo/auto':>9}  auto chose"
     )
     pooled: dict[tuple[int, str], list[float]] = defaultdict(list)
     for r in rows:
@@ -171,18 +177,32 @@ def summarize(rate: str, rows: list[dict[str, Any]], models: list[dict[str, Any]
                 continue
             spread = (max(ts) - min(ts)) / med[n] * 100
             cells.append(f"{med[n] * 1e3:>8.2f} ±{spread:>3.0f}%")
-        dsml_best = min(med[n] for n in med if n in algorithms and n != "auto")
+        best_name = min((n for n in med if n in algorithms and n != "auto"), key=med.__getitem__)
+        dsml_best = med[best_name]
         auto = med.get("auto", float("nan"))
+        paired = _paired(rows, nbytes, best_name)
         busbw = nbytes / auto / 1e9 * 2 * (world - 1) / world
         gloo = med.get("gloo", float("nan"))
         print(
             f"  {nbytes:>9} "
             + " ".join(cells)
-            + f" {busbw:>10.4f} {auto / dsml_best:>9.2f} {gloo / auto:>9.2f}  "
+            + f" {busbw:>10.4f} {auto / dsml_best:>9.2f} {paired:>6.2f} {gloo / auto:>9.2f}  "
             + ",".join(sorted(chosen[nbytes]))
         )
         quantiles = [_quantiles(pooled.get((nbytes, n), [])) for n in names]
         print(f"  {'':>9} " + " ".join(f"{q:>14}" for q in quantiles) + "  (every call: p10-p90)")
+
+
+def _paired(rows: list[dict[str, Any]], nbytes: int, best: str) -> float:
+    """auto against the best dsml algorithm within each repeat (their calls interleaved),
+    median over repeats: free of the drift between repeats that `auto/best` (medians over
+    repeats, the best being the lowest of several noisy medians) carries."""
+    repeats: dict[int, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if r["bytes"] == nbytes and r["algorithm"] in ("auto", best):
+            repeats[r.get("repeat", 0)][r["algorithm"]] = r["median_s"]
+    ratios = [t["auto"] / t[best] for t in repeats.values() if len(t) == 2]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def _quantiles(times: list[float]) -> str:
