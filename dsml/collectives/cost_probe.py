@@ -30,7 +30,7 @@ Rank 0 also times a local reduction (numpy add) and copy for the per-byte CPU co
 
 Cost: about 2(2 + _ROUNDS + _BURST) small messages per link, and (_ROUNDS + 1) times
 2 x _RATE_BYTES + 2 x _CPU_BYTES + 3 x _RACE_BYTES sent per rank, plus the races: about
-0.7 s at 1 Gbit (mostly naive and direct at _RACE_BYTES), 0.2 s at 10 Gbit; once per view.
+1.1 s at 1 Gbit (mostly naive and direct at _RACE_BYTES), 0.5 s at 10 Gbit; once per view.
 
 The samples and the fit of the model to them are in cost_samples.py; taking the samples,
 timing the races and agreeing on rank 0's model are here.
