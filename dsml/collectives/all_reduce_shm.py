@@ -100,7 +100,8 @@ async def _small(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
     group.inline(group.rank)[: src.nbytes] = src.view(np.uint8)
     await group.sync()
     # Our own input is read back from the inline area too: dst may be src.
-    inputs = [group.inline(j)[: src.nbytes].view(dtype) for j in range(group.size)]
+    nbytes = src.nbytes
+    inputs = [area[:nbytes].view(dtype) for area in group.inlines()]
     if src.nbytes > BLOCK_BYTES or len(inputs) < 2:
         reduce_into(dst, inputs, op, 0, n)
     else:  # one block: what reduce_into does, without its slicing (a few us per call)

@@ -45,6 +45,10 @@ class ShmGroup(Protocol):
         """A rank's inline area for this call (uint8 numpy array of inline_bytes)."""
         ...
 
+    def inlines(self) -> list[Any]:
+        """Every rank's inline area for this call, in rank order (after the first sync)."""
+        ...
+
     async def sync(self, ok: bool = True) -> bool:
         """Post this rank's next phase and wait for every peer's; see the module doc."""
         ...

@@ -83,6 +83,9 @@ class ShmCall:
     def inline(self, rank: int) -> Any:
         return self._link.inline(rank, self._cid)
 
+    def inlines(self) -> list[Any]:
+        return self._link.inlines(self._cid)
+
     async def sync(self, ok: bool = True) -> bool:
         self._phase += 1
         record, self._record = self._record, None

@@ -52,7 +52,7 @@ from .shm_mapping import (
     Unless,
     _raise_if_done,
 )
-from .shm_records import Record, find_record, write_record
+from .shm_records import FP_MAX, Record, find_record, write_cid, write_record
 from .shm_segment import Segment
 
 __all__ = ["FAILED", "INLINE_BYTES", "Check", "LinkPeer", "ShmLink", "Unless"]
@@ -84,7 +84,16 @@ class ShmLink(ShmMapping):
             slot = self._read_record(rank, cid)[4]
             if slot < 0:
                 raise ProtocolError(f"rank {self.peers[rank].rank} has no entry for #{cid}")
-        return self._inline[rank][slot * INLINE_BYTES : (slot + 1) * INLINE_BYTES]
+        return self._inline_slots[rank][slot]
+
+    def inlines(self, cid: int) -> list[Any]:
+        """Every rank's inline area for call `cid`, in rank order (see `inline`)."""
+        assert cid == self._cid
+        records = self._records
+        if None in records:  # not all read yet (the first sync reads them all)
+            return [self.inline(rank, cid) for rank in range(self.size)]
+        slots = self._inline_slots
+        return [slots[rank][rec[4]] for rank, rec in enumerate(records)]  # type: ignore[index]
 
     def _map_data(self, cid: int) -> None:
         """Map the data generation each peer uses in call `cid` (from its entry record:
@@ -93,7 +102,8 @@ class ShmLink(ShmMapping):
         for rank in range(self.size):
             if rank == self.me:
                 continue
-            gen = self._read_record(rank, cid)[3]
+            known = self._records[rank]
+            gen = (known if known is not None else self._read_record(rank, cid))[3]
             if gen != self._gens[rank]:
                 seg = Segment.open(self._name(rank, f"d{gen}"))
                 if seg is None:
@@ -117,10 +127,10 @@ class ShmLink(ShmMapping):
         slot = self._count % 2
         self._count += 1
         used = self._used[slot]
-        if used:
+        if used and not self._all_past(used):
             await self._wait(lambda rank: self._left(rank, used), unless)
         self._used[slot], self._slot, self._cid = cid, slot, cid
-        self._records = {}
+        self._records = [None] * self.size
 
     async def sync(
         self,
@@ -139,13 +149,14 @@ class ShmLink(ShmMapping):
         """
         assert 0 < phase < FAILED
         assert cid == self._cid, "begin(cid) first"
-        mine = self._words[self.me]
         if record is not None:
             self._write_record(cid, record, ok)
-        mine[W_PROGRESS] = cid * _PHASES + phase
+        target = cid * _PHASES + phase
+        self._wv[self.me][W_PROGRESS] = target
         self._wake_sleepers()
         try:
-            await self._wait(lambda rank: self._reached(rank, cid, phase), unless)
+            if not self._all_at(target, target - phase + FAILED):
+                await self._wait(lambda rank: self._reached(rank, cid, phase), unless)
         except _GaveUp as gave_up:
             await self._peer_gave_up(gave_up.rank, cid, record, check, unless)
         except Exception:
@@ -188,7 +199,7 @@ class ShmLink(ShmMapping):
 
     def complete(self, cid: int) -> None:
         """This rank finished call `cid` successfully."""
-        self._words[self.me][W_LAST_OK] = cid
+        self._wv[self.me][W_LAST_OK] = cid
 
     def abandon(self, cid: int) -> None:
         """This rank gave call `cid` up: peers waiting on it stop waiting."""
@@ -198,10 +209,31 @@ class ShmLink(ShmMapping):
 
     def _wake_sleepers(self) -> None:
         assert self._waker is not None
-        for rank in range(self.size):
-            words = self._words[rank]
-            if rank != self.me and words is not None and words[W_SLEEPING]:
+        me = self.me
+        for rank, words in enumerate(self._wv):
+            if rank != me and words is not None and words[W_SLEEPING]:
                 self._waker.wake(self._wake_names[rank])
+
+    def _all_at(self, low: int, high: int) -> bool:
+        """Whether every peer's progress is in [low, high): the quick look before a
+        wait (the usual case when the peers are prompt; `_reached` tells the rest)."""
+        if self.cut is not None:
+            return False
+        me = self.me
+        for rank, words in enumerate(self._wv):
+            if rank != me and not low <= words[W_PROGRESS] < high:
+                return False
+        return True
+
+    def _all_past(self, cid: int) -> bool:
+        """Whether every peer has gone on past call `cid` (the quick look of `begin`)."""
+        if self.cut is not None:
+            return False
+        me, after = self.me, (cid + 1) * _PHASES
+        for rank, words in enumerate(self._wv):
+            if rank != me and words[W_PROGRESS] < after:
+                return False
+        return True
 
     def _reached(self, rank: int, cid: int, phase: int) -> bool:
         words = self._words[rank]
@@ -261,21 +293,27 @@ class ShmLink(ShmMapping):
         return at > cid or (at == cid and step == FAILED) or int(words[W_LAST_OK]) >= cid
 
     def _write_record(self, cid: int, record: bytes, ok: bool) -> None:
-        control = self._control[self.me]
-        assert control is not None
-        write_record(self._raw[self.me], self._slot, Record(cid, ok, record, self._gens[self.me]))
+        slot, fields = self._slot, (record, ok, self._gens[self.me])
+        if self._written[slot] == fields:  # a repeated call: only its cid is new
+            write_cid(self._raw[self.me], slot, cid)
+        else:
+            self._written[slot] = fields
+            write_record(self._raw[self.me], slot, Record(cid, ok, record, fields[2]))
+        if cid == self._cid:  # what `_read_record` would find (a long one, hashed)
+            entry = (cid, ok, record, fields[2], slot)
+            self._records[self.me] = entry if len(record) <= FP_MAX else None
 
     def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int, int]:
         """(cid, ok, fingerprint bytes, data generation, slot) of rank's entry record for
         call cid; cid -1 and slot -1 when it has none. A record found for the current call
         is kept: it does not change before every rank has left the call (see `begin`)."""
         if cid == self._cid:
-            known = self._records.get(rank)
+            known = self._records[rank]
             if known is not None:
                 return known
         raw = self._raw[rank]
         assert raw is not None
-        found = find_record(raw, cid)
+        found = find_record(raw, cid, self._slot)
         if found is None:
             return -1, False, b"", 0, -1
         slot, rec = found

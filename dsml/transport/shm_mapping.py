@@ -95,8 +95,15 @@ class ShmMapping:
         self._control: list[Segment | None] = [None] * self.size
         self._words: list[Any] = [None] * self.size
         self._inline: list[Any] = [None] * self.size
+        #: each rank's two inline areas (one per record slot), as uint8
+        self._inline_slots: list[Any] = [None] * self.size
+        #: each rank's header words as an int64 memoryview: the counters read and written
+        #: on every call (a memoryview item is a plain int, several times faster to read
+        #: than a numpy scalar); released before the segments close
+        self._wv: list[Any] = [None] * self.size
         self._raw: list[Any] = [None] * self.size  # control segments as uint8
-        self._records: dict[int, tuple[int, bool, bytes, int, int]] = {}  # this call's
+        #: this call's entry record of each rank, once read (see `ShmLink._read_record`)
+        self._records: list[tuple[int, bool, bytes, int, int] | None] = [None] * self.size
         self._data: list[Segment | None] = [None] * self.size
         self._areas: list[Any] = [None] * self.size
         self._gens = [0] * self.size  # generation of each rank's data mapped here
@@ -106,6 +113,8 @@ class ShmMapping:
         self._used = [0, 0]  # the call that last used each slot (and inline area)
         self._slot = 0
         self._cid = 0
+        #: (fingerprint bytes, ok, data generation) last written into each record slot
+        self._written: list[tuple[bytes, bool, int] | None] = [None, None]
         self.closed = False
         #: fault injection (dsml.testing): a cut peer's (member id) progress never shows
         self.cut: Callable[[str], bool] | None = None
@@ -124,8 +133,7 @@ class ShmMapping:
         words[MAPPED : MAPPED + MAX_LOCAL] = -1
         words[W_MAGIC] = MAGIC
         self._control[self.me], self._words[self.me] = seg, words
-        self._raw[self.me] = np.frombuffer(seg.map, np.uint8)
-        self._inline[self.me] = self._raw[self.me][HEADER_BYTES:]
+        self._map_views(self.me, seg)
         self._waker = Waker(self._name(self.me, "w"))
         self._wake_names = [b"\0" + self._name(r, "w").encode() for r in range(self.size)]
 
@@ -164,9 +172,18 @@ class ShmMapping:
             seg.close()
             return
         self._control[rank], self._words[rank] = seg, words
-        self._raw[rank] = np.frombuffer(seg.map, np.uint8)
-        self._inline[rank] = self._raw[rank][HEADER_BYTES:]
+        self._map_views(rank, seg)
         self._words[self.me][MAPPED + rank] = 0
+
+    def _map_views(self, rank: int, seg: Segment) -> None:
+        raw = np.frombuffer(seg.map, np.uint8)
+        self._raw[rank] = raw
+        self._inline[rank] = raw[HEADER_BYTES:]
+        self._inline_slots[rank] = tuple(
+            raw[HEADER_BYTES + slot * INLINE_BYTES : HEADER_BYTES + (slot + 1) * INLINE_BYTES]
+            for slot in (0, 1)
+        )
+        self._wv[rank] = memoryview(seg.map)[:HEADER_BYTES].cast("q")
 
     @property
     def connected(self) -> bool:
@@ -222,6 +239,9 @@ class ShmMapping:
 
     def _unlink_mapped(self) -> None:
         me = self.me
+        control, own = self._control[me], self._data[me]
+        if (control is None or not control.linked) and (own is None or not own.linked):
+            return  # the usual case: every name is gone already
         seen = min(
             (int(self._words[r][MAPPED + me]) for r in range(self.size) if r != me), default=0
         )
@@ -241,8 +261,13 @@ class ShmMapping:
         self.closed = True
         self._words = [None] * self.size
         self._inline = [None] * self.size
+        self._inline_slots = [None] * self.size
+        for view in self._wv:
+            if view is not None:
+                view.release()
+        self._wv = [None] * self.size
         self._raw = [None] * self.size
-        self._records = {}
+        self._records = [None] * self.size
         self._areas = [None] * self.size
         segments = [seg for seg in [*self._control, *self._data] if seg is not None]
         held = [seg for seg in segments if not seg.close()]  # close() says if it unmapped

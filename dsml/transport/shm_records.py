@@ -13,7 +13,7 @@ import hashlib
 import struct
 from typing import Any, NamedTuple
 
-__all__ = ["RECORD_AT", "Record", "find_record", "write_record"]
+__all__ = ["FP_MAX", "RECORD_AT", "Record", "find_record", "write_cid", "write_record"]
 
 RECORD_BYTES = 512
 RECORD_AT = (128, 640)  # byte offsets of the two slots in the control segment's header
@@ -47,9 +47,17 @@ def write_record(buffer: Any, slot: int, record: Record) -> None:
     _CID.pack_into(buffer, at, record.cid)
 
 
-def find_record(buffer: Any, cid: int) -> tuple[int, Record] | None:
-    """(slot, record) of call cid in a control segment, or None."""
-    for slot, at in enumerate(RECORD_AT):
+def write_cid(buffer: Any, slot: int, cid: int) -> None:
+    """Write only the cid of a slot whose other fields already hold the record (a
+    repeated call: same fingerprint, room and data generation as the slot's last)."""
+    _CID.pack_into(buffer, RECORD_AT[slot], cid)
+
+
+def find_record(buffer: Any, cid: int, first: int = 0) -> tuple[int, Record] | None:
+    """(slot, record) of call cid in a control segment, or None; looks at slot `first`
+    first (where the caller expects it)."""
+    for slot in (first, 1 - first):
+        at = RECORD_AT[slot]
         if _CID.unpack_from(buffer, at)[0] == cid:  # read first: the writer writes it last
             ok, length, gen = _REST.unpack_from(buffer, at + 8)
             length = min(length, FP_MAX + 1)
