@@ -78,4 +78,5 @@ __all__ = [
     "open_registry",
 ]
 
-log.configure_from_env()  # DSML_LOG_LEVEL=debug shows the library's lines on stderr
+log.configure_from_env()  # DSML_LOG_LEVEL=debug shows the library's lines on stderr (the fork
+# server of `dsml run` calls it again in each rank: dsml/cli/forkserver.py)

@@ -34,6 +34,7 @@ from typing import TextIO
 
 from .._process import describe_exit, die_with_parent
 from ..errors import caused_by_another_rank
+from .forkserver import ForkServer, RankProcess, forkable
 
 __all__ = ["Failure", "Launch", "rank_environment"]
 
@@ -210,7 +211,8 @@ class Launch:
         self._grace_s = grace_s
         self._stdout = stdout or sys.stdout
         self._stderr = stderr or sys.stderr
-        self._procs: list[asyncio.subprocess.Process] = []
+        self._procs: list[asyncio.subprocess.Process | RankProcess] = []
+        self._forks: ForkServer | None = None  # see forkserver.py
         self._signalled: set[int] = set()  # ranks this launcher sent a signal to
         self._output_closed = False
         self._tails = [collections.deque[str](maxlen=_TAIL_LINES) for _ in self.ranks]
@@ -223,6 +225,11 @@ class Launch:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
+            if forkable(self.argv, self._env):
+                base = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self._env}
+                if not base["OMP_NUM_THREADS"]:
+                    base["OMP_NUM_THREADS"] = "1"  # as rank_environment decides
+                self._forks = await ForkServer.start(base)
             for index in range(len(self.ranks)):
                 self._procs.append(await self._spawn(index))
             await asyncio.gather(*(self._supervise(i, p) for i, p in enumerate(self._procs)))
@@ -234,9 +241,11 @@ class Launch:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             self._kill_all(signal.SIGKILL)
+            if self._forks is not None:
+                await self._forks.aclose()
         return self._exit_code()
 
-    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process | RankProcess:
         env = rank_environment(
             self._env,
             self.ranks[index],
@@ -247,6 +256,12 @@ class Launch:
             local_world_size=len(self.ranks),
             node_rank=self.node or 0,
         )
+        cpus = None if self.cpus is None else self.cpus[index]
+        if self._forks is not None and not self._forks.reason:
+            try:
+                return await self._forks.spawn(self.argv, env, cpus)
+            except OSError as exc:  # e.g. an environment too large for one packet
+                self._forks.reason = str(exc)  # later ranks start as below; it stays open
         return await asyncio.create_subprocess_exec(
             *self.argv,
             env=env,
@@ -254,10 +269,10 @@ class Launch:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_child_setup(None if self.cpus is None else self.cpus[index]),
+            preexec_fn=_child_setup(cpus),
         )
 
-    async def _supervise(self, index: int, proc: asyncio.subprocess.Process) -> None:
+    async def _supervise(self, index: int, proc: asyncio.subprocess.Process | RankProcess) -> None:
         assert proc.stdout is not None
         assert proc.stderr is not None
         await asyncio.gather(
@@ -351,8 +366,13 @@ class Launch:
         for index, proc in enumerate(self._procs):
             if proc.returncode is None:
                 self._signalled.add(index)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
+                try:
                     os.killpg(proc.pid, sig)  # each rank leads its own session and group
+                except ProcessLookupError:  # a forked rank not yet in its own session
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(proc.pid, sig)
+                except PermissionError:
+                    pass
 
     def exit_code(self) -> int:
         """The launcher's exit code (again after late reports from other nodes)."""

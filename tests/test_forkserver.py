@@ -1,0 +1,213 @@
+"""`dsml run` starts Python ranks from a fork server: they run as `python SCRIPT` would.
+
+Real launches (`python -m dsml run`), real forked processes. What is checked: the ranks
+are forked from one server (same parent, same address layout), each runs the script as
+`__main__` with its own argv, sys.path, environment, working directory and random
+state; exits, exceptions, signals and `-m` modules look as they do for interpreters
+started one by one; and the fall-backs (DSML_FORKSERVER=0, a server with threads)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsml.cli.forkserver import forkable
+from tests.test_launch_launchers import clean_env
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the fork server is Linux's")
+
+ROOT = Path(__file__).resolve().parent.parent
+DSML = [sys.executable, "-m", "dsml"]
+
+PROBE = """
+import json, os, random, sys
+import numpy as np
+maps = [line.split()[0] for line in open("/proc/self/maps") if "_multiarray_umath" in line]
+print("PROBE " + json.dumps({
+    "name": __name__,
+    "file": __file__,
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "rank": int(os.environ["DSML_RANK"]),
+    "mine": os.environ.get("MY_VAR"),
+    "ppid": os.getppid(),
+    "sid_is_pid": os.getsid(0) == os.getpid(),
+    "numpy_at": maps[0],
+    "np_draw": int(np.random.randint(1 << 62)),
+    "draw": random.getrandbits(62),
+    "stdin": sys.stdin.read(),
+}), flush=True)
+mode = sys.argv[1] if len(sys.argv) > 1 else ""
+rank = int(os.environ["DSML_RANK"])
+if mode == "exit" and rank == 1:
+    sys.exit(3)
+if mode == "raise" and rank == 1:
+    raise ValueError("boom on rank 1")
+if mode == "interrupt" and rank == 1:
+    raise KeyboardInterrupt
+if mode == "kill" and rank == 1:
+    os.kill(os.getpid(), 9)
+"""
+
+
+class Launched:
+    """A finished `dsml run`: its exit code, stderr, the launcher's pid and each rank's
+    probe in rank order."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        out, self.err = proc.communicate(timeout=60)
+        self.code = proc.returncode
+        self.pid = proc.pid
+        probes = [json.loads(line.split("PROBE ", 1)[1]) for line in out.splitlines()]
+        self.probes: list[dict[str, Any]] = sorted(probes, key=lambda p: p["rank"])
+
+
+def launch(
+    tmp_path: Path,
+    *args: str,
+    n: int = 3,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Launched:
+    """`dsml run -n n probe.py args` with an embedded registry."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    return run_dsml([str(script), *args], n, cwd or tmp_path, **(env or {}))
+
+
+def run_dsml(argv: list[str], n: int, cwd: Path, **env: str) -> Launched:
+    proc = subprocess.Popen(
+        [*DSML, "run", "-n", str(n), *argv],
+        env={**clean_env(MY_VAR="mine"), **env},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        return Launched(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(90)
+def test_ranks_are_forked_from_one_server_and_share_its_address_layout(tmp_path: Path) -> None:
+    run = launch(tmp_path)
+    assert run.code == 0, run.err
+    probes = run.probes
+    assert [p["rank"] for p in probes] == [0, 1, 2]
+    assert len({p["ppid"] for p in probes}) == 1  # one server forked them all ...
+    assert probes[0]["ppid"] != run.pid  # ... not the launcher
+    assert len({p["numpy_at"] for p in probes}) == 1  # numpy mapped once, before the forks
+    assert all(p["sid_is_pid"] for p in probes)  # each leads its own session, as before
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_rank_runs_its_script_as_python_would(tmp_path: Path) -> None:
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    run = launch(tmp_path, "a", "b c", cwd=work)
+    assert run.code == 0, run.err
+    probes = run.probes
+    script = str(tmp_path / "probe.py")
+    for p in probes:
+        assert p["name"] == "__main__"
+        assert p["file"] == script
+        assert p["argv"] == [script, "a", "b c"]
+        assert p["path0"] == str(tmp_path.resolve())  # the script's folder, not the cwd
+        assert p["cwd"] == str(work)
+        assert p["mine"] == "mine"
+        assert p["stdin"] == ""  # /dev/null, as before
+    # random state of their own: numpy's global one too (reseeded after the fork)
+    assert len({p["np_draw"] for p in probes}) == 3
+    assert len({p["draw"] for p in probes}) == 3
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_ranks_exit_code_and_traceback_are_those_of_python(tmp_path: Path) -> None:
+    run = launch(tmp_path, "exit")
+    assert run.code == 3
+    assert "rank 1 failed (exit code 3)" in run.err
+
+    run = launch(tmp_path, "raise")
+    assert run.code == 1
+    assert "ValueError: boom on rank 1" in run.err
+    trace = [line for line in run.err.splitlines() if line.startswith("[rank 1]   File ")]
+    assert trace, run.err
+    assert all("probe.py" in line for line in trace), trace  # no server or runpy frames
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_rank_ending_by_a_signal_is_reported_so(tmp_path: Path) -> None:
+    run = launch(tmp_path, "interrupt")
+    assert "rank 1 failed (killed by SIGINT)" in run.err, run.err
+    assert run.code == 128 + signal.SIGINT
+    assert "KeyboardInterrupt" in run.err
+
+    run = launch(tmp_path, "kill")
+    assert "rank 1 failed (killed by SIGKILL)" in run.err, run.err
+    assert run.code == 128 + signal.SIGKILL
+
+
+@pytest.mark.timeout(90)
+def test_a_module_runs_under_dash_m_from_the_fork_server(tmp_path: Path) -> None:
+    package = tmp_path / "probepkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "main.py").write_text(PROBE)
+    run = run_dsml(["-m", "probepkg.main", "x"], 2, tmp_path)
+    assert run.code == 0, run.err
+    probes = run.probes
+    assert len(probes) == 2
+    for p in probes:
+        assert p["name"] == "__main__"
+        assert p["argv"] == [str(package / "main.py"), "x"]
+        assert p["path0"] == str(tmp_path)
+    assert len({p["ppid"] for p in probes}) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "env", [{"DSML_FORKSERVER": "0"}, {"OMP_NUM_THREADS": "4"}], ids=["off", "threads"]
+)
+def test_without_the_fork_server_ranks_are_started_one_by_one(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """Turned off, or refused by a server that has threads (numpy's BLAS with
+    OMP_NUM_THREADS > 1: forking it is not safe): the ranks are the launcher's children."""
+    run = launch(tmp_path, n=2, env=env)
+    assert run.code == 0, run.err
+    probes = run.probes
+    assert [p["ppid"] for p in probes] == [run.pid, run.pid]  # the launcher's children
+    assert all(p["name"] == "__main__" for p in probes)
+    assert len({p["np_draw"] for p in probes}) == 2
+
+
+def test_only_this_pythons_scripts_and_modules_are_forked() -> None:
+    py = sys.executable
+    assert forkable([py, "train.py", "--lr", "1"], {})
+    assert forkable([py, "-m", "pkg.main"], {})
+    assert not forkable([py, "-m"], {})
+    assert not forkable([py, "-c", "print(1)"], {})
+    assert not forkable([py, "-X", "dev", "train.py"], {})
+    assert not forkable(["/usr/bin/other-python", "train.py"], {})
+    assert not forkable([py, "train.py"], {"DSML_FORKSERVER": "0"})
+
+
+@pytest.mark.timeout(90)
+def test_an_environment_too_large_for_the_server_starts_ranks_one_by_one(tmp_path: Path) -> None:
+    """A request is one packet (the socket's buffer, ~200 KiB by default): a larger
+    environment makes the launcher start the ranks as separate interpreters instead."""
+    big = {f"BIG_{i}": "x" * 100_000 for i in range(3)}
+    run = launch(tmp_path, n=2, env=big)
+    assert run.code == 0, run.err
+    assert [p["ppid"] for p in run.probes] == [run.pid, run.pid]
