@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ print("PROBE " + json.dumps({
     "np_draw": int(np.random.randint(1 << 62)),
     "draw": random.getrandbits(62),
     "stdin": sys.stdin.read(),
+    "main_is_module": sys.modules["__main__"].__dict__ is globals(),
 }), flush=True)
 mode = sys.argv[1] if len(sys.argv) > 1 else ""
 rank = int(os.environ["DSML_RANK"])
@@ -118,11 +120,13 @@ def test_a_forked_rank_runs_its_script_as_python_would(tmp_path: Path) -> None:
     run = launch(tmp_path, "a", "b c", cwd=work)
     assert run.code == 0, run.err
     probes = run.probes
+    assert all(p["ppid"] != run.pid for p in probes)  # forked, not started by the launcher
     script = str(tmp_path / "probe.py")
     for p in probes:
         assert p["name"] == "__main__"
         assert p["file"] == script
         assert p["argv"] == [script, "a", "b c"]
+        assert p["main_is_module"]  # the script runs in sys.modules["__main__"] itself
         assert p["path0"] == str(tmp_path.resolve())  # the script's folder, not the cwd
         assert p["cwd"] == str(work)
         assert p["mine"] == "mine"
@@ -135,6 +139,7 @@ def test_a_forked_rank_runs_its_script_as_python_would(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_a_forked_ranks_exit_code_and_traceback_are_those_of_python(tmp_path: Path) -> None:
     run = launch(tmp_path, "exit")
+    assert all(p["ppid"] != run.pid for p in run.probes)
     assert run.code == 3
     assert "rank 1 failed (exit code 3)" in run.err
 
@@ -149,6 +154,7 @@ def test_a_forked_ranks_exit_code_and_traceback_are_those_of_python(tmp_path: Pa
 @pytest.mark.timeout(90)
 def test_a_forked_rank_ending_by_a_signal_is_reported_so(tmp_path: Path) -> None:
     run = launch(tmp_path, "interrupt")
+    assert all(p["ppid"] != run.pid for p in run.probes)
     assert "rank 1 failed (killed by SIGINT)" in run.err, run.err
     assert run.code == 128 + signal.SIGINT
     assert "KeyboardInterrupt" in run.err
@@ -172,7 +178,9 @@ def test_a_module_runs_under_dash_m_from_the_fork_server(tmp_path: Path) -> None
         assert p["name"] == "__main__"
         assert p["argv"] == [str(package / "main.py"), "x"]
         assert p["path0"] == str(tmp_path)
+        assert p["main_is_module"]
     assert len({p["ppid"] for p in probes}) == 1
+    assert probes[0]["ppid"] != run.pid
 
 
 @pytest.mark.timeout(90)
@@ -207,7 +215,79 @@ def test_only_this_pythons_scripts_and_modules_are_forked() -> None:
 def test_an_environment_too_large_for_the_server_starts_ranks_one_by_one(tmp_path: Path) -> None:
     """A request is one packet (the socket's buffer, ~200 KiB by default): a larger
     environment makes the launcher start the ranks as separate interpreters instead."""
-    big = {f"BIG_{i}": "x" * 100_000 for i in range(3)}
+    big = {f"BIG_{i}": "x" * 110_000 for i in range(10)}  # over the server's 1 MiB too
     run = launch(tmp_path, n=2, env=big)
     assert run.code == 0, run.err
     assert [p["ppid"] for p in run.probes] == [run.pid, run.pid]
+
+
+SLEEPER = """
+import atexit, os, sys, time
+atexit.register(lambda: print(f"atexit {os.environ['DSML_RANK']}", flush=True))
+print(f"ready {os.getpid()} {os.getppid()}", flush=True)
+time.sleep(60)
+"""
+
+
+def _start_sleepers(tmp_path: Path, n: int = 2) -> tuple[subprocess.Popen[str], list[int], int]:
+    """`dsml run -n n sleeper.py`, once every rank printed its pid: (launcher, rank pids,
+    the pid of their parent)."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen(
+        [*DSML, "run", "-n", str(n), str(script)],
+        env=clean_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    parents: set[int] = set()
+    assert proc.stdout is not None
+    while len(pids) < n:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        _, pid, parent = line.split("] ", 1)[1].split()
+        pids.append(int(pid))
+        parents.add(int(parent))
+    assert len(parents) == 1
+    return proc, pids, parents.pop()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_reaches_forked_ranks_which_exit_as_python_does(tmp_path: Path) -> None:
+    proc, pids, server = _start_sleepers(tmp_path)
+    try:
+        assert server != proc.pid  # forked by the server
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "[rank 0] atexit 0" in out
+    assert "[rank 1] atexit 1" in out
+    assert "KeyboardInterrupt" in err
+    assert "forkserver" not in err
+    assert "runpy" not in err
+    assert all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.timeout(90)
+def test_killing_the_launcher_leaves_no_server_and_no_rank_behind(tmp_path: Path) -> None:
+    proc, pids, server = _start_sleepers(tmp_path)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while not all(_gone(pid) for pid in [server, *pids]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in [server, *pids])

@@ -1,14 +1,18 @@
 """Starting N rank processes and supervising them (cli layer).
 
-Each rank is a child process in its own session, so a terminal's Ctrl-C reaches the
-launcher only and is forwarded exactly once; a second Ctrl-C kills. Ranks are asked to
+Each rank is a process in its own session, so a terminal's Ctrl-C reaches the launcher
+only and is forwarded exactly once; a second Ctrl-C kills. Ranks of a Python script or
+module are forked by a fork server (forkserver.py: one interpreter with numpy, pyzmq
+and dsml imported, so ranks start sooner and share its address layout), others are the
+launcher's children; with `DSML_FORKSERVER=0`, all are. Ranks are asked to
 stop with SIGINT, also when the launcher got SIGTERM: Python turns SIGINT into
 KeyboardInterrupt, so `async with dsml.init()` closes and leaves the registry (a SIGTERM
 would end a Python rank on the spot and leave the registry believing it still runs).
 Every line a child prints is passed on with its rank in front. When a rank fails, the
 others are stopped (SIGINT, then SIGKILL after a grace period) and a short root-cause block
 names the rank, how it ended and the last lines of its error output. On Linux the
-children also get SIGKILL if the launcher itself dies.
+ranks also get SIGKILL if the launcher itself dies (forked ones through their server,
+which gets it first).
 
 CPU binding (`cpu_bind`): with more ranks than the CPUs the launcher may use ("auto", the
 default), rank i is bound to one CPU, i modulo their number, so the ranks spread evenly.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -37,6 +42,8 @@ from ..errors import caused_by_another_rank
 from .forkserver import ForkServer, RankProcess, forkable
 
 __all__ = ["Failure", "Launch", "rank_environment"]
+
+log = logging.getLogger("dsml.launcher")
 
 #: on_line(rank, stream name, line) replaces the default printing when given.
 LineSink = Callable[[int, str, str], None]
@@ -226,11 +233,13 @@ class Launch:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             if forkable(self.argv, self._env):
-                base = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self._env}
-                if not base["OMP_NUM_THREADS"]:
-                    base["OMP_NUM_THREADS"] = "1"  # as rank_environment decides
+                # What the server's interpreter decides at its start: as the ranks get it.
+                base = {**self._env, "PYTHONUNBUFFERED": "1"}
+                base["OMP_NUM_THREADS"] = base.get("OMP_NUM_THREADS") or "1"
                 self._forks = await ForkServer.start(base)
             for index in range(len(self.ranks)):
+                if self.interrupted:  # Ctrl-C while starting: start no more ranks
+                    break
                 self._procs.append(await self._spawn(index))
             await asyncio.gather(*(self._supervise(i, p) for i, p in enumerate(self._procs)))
             if self._remote_stop is not None:
@@ -257,11 +266,11 @@ class Launch:
             node_rank=self.node or 0,
         )
         cpus = None if self.cpus is None else self.cpus[index]
-        if self._forks is not None and not self._forks.reason:
+        if self._forks is not None:
             try:
                 return await self._forks.spawn(self.argv, env, cpus)
             except OSError as exc:  # e.g. an environment too large for one packet
-                self._forks.reason = str(exc)  # later ranks start as below; it stays open
+                log.info("dsml run: rank %d starts on its own: %s", self.ranks[index], exc)
         return await asyncio.create_subprocess_exec(
             *self.argv,
             env=env,
@@ -366,13 +375,11 @@ class Launch:
         for index, proc in enumerate(self._procs):
             if proc.returncode is None:
                 self._signalled.add(index)
-                try:
+                if isinstance(proc, RankProcess):  # forked: its server signals it
+                    proc.send_signal(sig)
+                    continue
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)  # each rank leads its own session and group
-                except ProcessLookupError:  # a forked rank not yet in its own session
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(proc.pid, sig)
-                except PermissionError:
-                    pass
 
     def exit_code(self) -> int:
         """The launcher's exit code (again after late reports from other nodes)."""
