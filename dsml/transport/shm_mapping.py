@@ -94,7 +94,6 @@ class ShmMapping:
         self._pure_spin_s = PURE_SPIN_S if self.size <= _cpus() else 0.0
         self._control: list[Segment | None] = [None] * self.size
         self._words: list[Any] = [None] * self.size
-        self._inline: list[Any] = [None] * self.size
         #: each rank's two inline areas (one per record slot), as uint8
         self._inline_slots: list[Any] = [None] * self.size
         #: each rank's header words as an int64 memoryview: the counters read and written
@@ -178,7 +177,6 @@ class ShmMapping:
     def _map_views(self, rank: int, seg: Segment) -> None:
         raw = np.frombuffer(seg.map, np.uint8)
         self._raw[rank] = raw
-        self._inline[rank] = raw[HEADER_BYTES:]
         self._inline_slots[rank] = tuple(
             raw[HEADER_BYTES + slot * INLINE_BYTES : HEADER_BYTES + (slot + 1) * INLINE_BYTES]
             for slot in (0, 1)
@@ -260,7 +258,6 @@ class ShmMapping:
             return
         self.closed = True
         self._words = [None] * self.size
-        self._inline = [None] * self.size
         self._inline_slots = [None] * self.size
         for view in self._wv:
             if view is not None:
