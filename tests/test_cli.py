@@ -44,6 +44,21 @@ def standalone_registry():
     assert proc.returncode == 0
 
 
+def status_after_job(address: str) -> dict:
+    """`dsml status --json` once the job's group has ended there, or after 4 s.
+
+    The ranks' leave messages and this query reach the registry on different connections,
+    so a query made the moment the launcher returns may be served first (seen on a loaded
+    2-core machine). 4 s is well under the registry's 10 s heartbeat timeout: a rank that
+    never left is still seen as a member then, and the caller's assertions fail."""
+    deadline = time.monotonic() + 4.0
+    while True:
+        report = json.loads(dsml_cmd("status", "--registry", address, "--json").stdout)
+        if not report["formed"] or time.monotonic() > deadline:
+            return report
+        time.sleep(0.1)
+
+
 def start_waiting_ranks(
     n: int, script: str = "wait_forever.py", *options: str
 ) -> tuple[subprocess.Popen[str], list[int]]:
@@ -230,9 +245,7 @@ def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():
     with standalone_registry() as address:
         run = dsml_cmd("run", "-n", "2", "--registry", address, "examples/hello_all_reduce.py")
         assert run.returncode == 0, run.stderr
-        status = dsml_cmd("status", "--registry", address, "--json")
-        assert status.returncode == 0
-        report = json.loads(status.stdout)
+        report = status_after_job(address)
         # formed at epoch 1; the first rank to leave made epoch 2 (of the one left), the
         # last one ended the group
         assert report["epoch"] == 2
@@ -256,7 +269,7 @@ def test_a_registry_serves_the_next_job_after_a_job_whose_rank_failed():
         assert "dsml run: rank 1 failed" in failed.stderr
         ok = dsml_cmd("run", "-n", "2", "--registry", address, "examples/hello_all_reduce.py")
         assert ok.returncode == 0, ok.stderr
-        report = json.loads(dsml_cmd("status", "--registry", address, "--json").stdout)
+        report = status_after_job(address)
         assert report["formed"] is False
         assert report["epoch"] >= 2
 
