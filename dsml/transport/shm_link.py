@@ -299,9 +299,9 @@ class ShmLink(ShmMapping):
         else:
             self._written[slot] = fields
             write_record(self._raw[self.me], slot, Record(cid, ok, record, fields[2]))
-        if cid == self._cid:  # what `_read_record` would find (a long one, hashed)
-            entry = (cid, ok, record, fields[2], slot)
-            self._records[self.me] = entry if len(record) <= FP_MAX else None
+        # What `_read_record` would find; a long fingerprint is stored hashed: read it back.
+        entry = (cid, ok, record, fields[2], slot)
+        self._records[self.me] = entry if len(record) <= FP_MAX else None
 
     def _read_record(self, rank: int, cid: int) -> tuple[int, bool, bytes, int, int]:
         """(cid, ok, fingerprint bytes, data generation, slot) of rank's entry record for
