@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -78,6 +79,32 @@ def test_non_loopback_bind_without_curve_is_refused_with_a_reason(procs):
     assert result.returncode == 2
     assert "refusing to serve on tcp://0.0.0.0:0 without CURVE" in result.stderr
     assert "dsml keys generate" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [
+        ("tpu", "device='tpu' is not a device name"),
+        # no cupy here: named; with cupy but no GPU, or too few GPUs: said so
+        ("cuda:7", "cupy|no CUDA GPU is visible|does not exist"),
+    ],
+)
+def test_a_worker_checks_its_device_at_startup_not_in_every_job(device, says):
+    """Before, `--device cuda` without cupy started, was listed idle, and failed each job."""
+    result = subprocess.run(
+        [*DSML, "worker", "--registry", "tcp://127.0.0.1:9", "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert re.search(says, result.stderr), result.stderr
+    assert "serving on" not in result.stdout
+
+
+def test_local_cluster_refuses_a_device_name_it_does_not_know():
+    with pytest.raises(dsml.ConfigError, match="not a device name"):
+        dsml.LocalCluster(1, device="tpu")
 
 
 def test_worker_without_a_registry_exits_with_a_clear_error():

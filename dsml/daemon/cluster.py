@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from .._process import describe_exit, die_with_parent
+from ..collectives.devices import parse_device
 from ..errors import ConfigError, DsmlError
 from .client import Client
 
@@ -80,7 +81,7 @@ class LocalCluster:
         if type(n_workers) is not int or n_workers < 1:
             raise ConfigError(f"n_workers must be a positive integer, got {n_workers!r}")
         self.n_workers = n_workers
-        self.device = device
+        self.device = str(parse_device(device))  # cupy and the GPUs: each worker checks
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout

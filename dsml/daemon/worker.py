@@ -27,6 +27,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+from ..collectives.devices import parse_device, resolve_device
 from ..communicator import init
 from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, ProtocolError
@@ -97,6 +98,8 @@ class WorkerConfig:
             )
         if self.heartbeat_interval <= 0:
             raise ConfigError("heartbeat_interval must be positive")
+        # Here, once, rather than in every job it would run: cupy installed, a GPU visible.
+        resolve_device(parse_device(self.device), 0)
 
 
 class WorkerDaemon:
