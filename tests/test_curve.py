@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dsml import ConfigError
+from dsml import ConfigError, RegistryConfig, RegistryUnavailableError, open_registry
+from dsml.membership.client import query_status
 from dsml.transport import Beacon, Channel, Curve, Endpoint, generate_keys, is_loopback
 from dsml.wire import Envelope, Kind
 
@@ -352,3 +353,15 @@ def test_dsml_keys_generate_writes_a_folder_and_refuses_to_overwrite_it(tmp_path
     )
     assert bob.returncode == 0, bob.stderr
     assert (folder / "authorized" / "bob.key").is_file()
+
+
+async def test_a_client_without_keys_or_with_a_stranger_key_is_told_keys_may_be_why(keys, stranger):
+    """A CURVE registry does not answer them: the error says so, not only 'is it running?'."""
+    config = RegistryConfig(address="tcp://127.0.0.1:0", curve=Curve.load(keys, "server"))
+    async with open_registry(config=config) as registry:
+        with pytest.raises(RegistryUnavailableError, match="--curve-keys DIR or DSML_CURVE"):
+            await query_status(registry.address, registry_timeout=0.5)
+        with pytest.raises(RegistryUnavailableError, match="public key in its DIR/authorized"):
+            await query_status(registry.address, registry_timeout=0.5, curve=stranger)
+        status = await query_status(registry.address, curve=Curve.load(keys, "client"))
+        assert isinstance(status, dict)

@@ -183,10 +183,16 @@ class RegistryClient:
             async with asyncio.timeout(self.config.registry_timeout):
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except TimeoutError:
+            keys = (
+                "is this client's public key in its DIR/authorized list?"
+                if self.config.curve is not None
+                else "a registry started with --curve-keys answers only clients with keys "
+                "(--curve-keys DIR or DSML_CURVE_KEYS)"
+            )
             raise RegistryUnavailableError(
                 f"no registry answered at {self.address} within "
                 f"{self.config.registry_timeout:g} s: is it running? Start one with "
-                f"`dsml registry --address {self.address}`, or check DSML_REGISTRY",
+                f"`dsml registry --address {self.address}`, or check DSML_REGISTRY; {keys}",
                 address=self.address,
             ) from None
         finally:
