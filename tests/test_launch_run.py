@@ -88,6 +88,8 @@ def test_dsml_run_nnodes_2_twice_on_one_host_forms_one_group_ranked_by_node() ->
     assert_one_group(out0 + out1, 4)
     assert sorted(r["rank"] for r in reports(out0)) == [0, 1]  # type: ignore[type-var]
     assert sorted(r["rank"] for r in reports(out1)) == [2, 3]  # type: ignore[type-var]
+    assert f"node 1: waiting for node 0's launcher at tcp://127.0.0.1:{port + 1}" in err1
+    assert "waiting for node 0" not in err0
 
 
 @pytest.mark.multiprocess

@@ -233,6 +233,12 @@ async def launch_node(
             await launch.run()
             await board.wait_nodes_done(lambda: _group_gone(served), grace_s)
         else:
+            print(
+                f"dsml run: node {shape.node_rank}: waiting for node 0's launcher at {link} "
+                f"(up to {_NODE_WAIT_S:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             node = await NodeLink(shape, launch.add_remote_failure).open(
                 link, timeout_s=_NODE_WAIT_S, curve=curve
             )
