@@ -56,6 +56,28 @@ async def test_stats_lists_each_call_with_its_size_algorithm_and_a_split_that_ad
         assert ring["copy_s"] > 0  # and copies the others' segments into its result
 
 
+async def test_row_collectives_record_this_ranks_input_size_even_when_ranks_differ():
+    """all_gather, gather and all_to_all leave the first axis out of the fingerprint (ranks
+    may differ there); their stats still give each rank's own input size."""
+    async with open_local_cluster(2) as cluster:
+
+        async def calls(comm):
+            rows = 2 + comm.rank  # 2 rows on rank 0, 3 on rank 1
+            await comm.all_gather(np.ones((rows, 4), dtype=np.float32))
+            await comm.gather(np.ones((rows, 4), dtype=np.float64), root=0)
+            await comm.all_to_all(np.ones((2, 3), dtype=np.int16))
+            return comm.stats()[-3:]
+
+        everyone = await cluster.run(calls)
+    for rank, stats in enumerate(everyone):
+        got = [(r["kind"], r["bytes"], r["outcome"]) for r in stats]
+        assert got == [
+            ("all_gather", (2 + rank) * 4 * 4, "ok"),
+            ("gather", (2 + rank) * 4 * 8, "ok"),
+            ("all_to_all", 2 * 3 * 2, "ok"),
+        ]
+
+
 async def test_a_late_rank_shows_up_as_time_waiting_for_peers():
     async with open_local_cluster(2) as cluster:
 

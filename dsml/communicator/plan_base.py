@@ -36,10 +36,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A validated call: its fingerprint, and the coroutine that runs it over a `Call`."""
+    """A validated call: its fingerprint, and the coroutine that runs it over a `Call`;
+    `nbytes`, this rank's input size where the fingerprint does not give it (collectives
+    whose first axis may differ between ranks: `comm.stats()` reports it)."""
 
     fingerprint: Fingerprint
     body: Callable[[Call], Awaitable[Any]]
+    nbytes: int | None = None
 
 
 #: collectives that name a root rank

@@ -81,7 +81,7 @@ class MovementPlans(PlannerBase):
             self._release(be, copy)
             return result
 
-        return Plan(fp, body)
+        return Plan(fp, body, nbytes=x.nbytes)
 
     def _gather(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         x, be, dtype = self._array(x)
@@ -96,7 +96,7 @@ class MovementPlans(PlannerBase):
             self._release(be, copy)
             return result
 
-        return Plan(fp, body)
+        return Plan(fp, body, nbytes=x.nbytes)
 
     def _scatter(self, x: Array, request: Request, rank: int, size: int, root: int) -> Plan:
         """The root deals the parts of x (non-roots: `_receive_scatter`)."""
@@ -139,7 +139,7 @@ class MovementPlans(PlannerBase):
             self._release(be, copy)
             return result
 
-        return Plan(fp, body)
+        return Plan(fp, body, nbytes=x.nbytes)
 
     def _barrier(self) -> Plan:
         shm = self._shm if self._shm is not None and self._shm.claim(NUMPY) else None

@@ -57,7 +57,7 @@ class RunnerCalls:
     async def _run(self, call: Call, plan: Plan) -> Any:
         """Run the call, recording its time split (`comm.stats()`); one debug line each."""
         fp = call.fingerprint
-        record = self.stats.begin(fp.collective, call.cid, call.epoch, fp)
+        record = self.stats.begin(fp.collective, call.cid, call.epoch, fp, plan.nbytes)
         token = current_record.set(record)  # in this task's own context: this call only
         span = profiler_span(fp.collective)
         try:

@@ -179,10 +179,11 @@ class CallStats:
     def __init__(self, keep: int = KEEP) -> None:
         self.recent: collections.deque[CallRecord] = collections.deque(maxlen=keep)
 
-    def begin(self, kind: str, cid: int, epoch: int, fingerprint: Fingerprint) -> CallRecord:
-        record = CallRecord(
-            kind, cid, epoch, _nbytes(fingerprint), fingerprint.algorithm, time.perf_counter()
-        )
+    def begin(
+        self, kind: str, cid: int, epoch: int, fingerprint: Fingerprint, nbytes: int | None = None
+    ) -> CallRecord:
+        size = _nbytes(fingerprint) if nbytes is None else nbytes
+        record = CallRecord(kind, cid, epoch, size, fingerprint.algorithm, time.perf_counter())
         self.recent.append(record)
         return record
 
