@@ -1,6 +1,6 @@
 """`dsml bench` of several source trees, interleaved (a benchmark).
 
-    python benchmarks/bench_ab.py base=/work/wt/base mine=. -n 4 --sizes 4K,64K,1M --repeat 3
+    python benchmarks/bench_ab.py base=DIR mine=. -n 4 --sizes 4K,64K,1M --repeat 3
 
 Runs `python -m dsml bench --json` with PYTHONPATH set to each tree in turn (A, B, A, B,
 ...), `--repeat` times, and prints per size the median over repeats of each tree's p50 and

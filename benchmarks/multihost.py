@@ -2,7 +2,7 @@
 
     sudo python benchmarks/multihost.py                          # 1gbit and 10gbit, 3 repeats
     sudo python benchmarks/multihost.py --rates 1gbit --sizes 4K,1M,16M --repeat 5 --json out.json
-    sudo python benchmarks/multihost.py --rates 10gbit --sizes 16M --baseline /work/main  # A/B
+    sudo python benchmarks/multihost.py --rates 10gbit --sizes 16M --baseline DIR  # A/B
 
 Builds `--hosts` network namespaces on one bridge (dsml.testing.netns: every link shaped
 both ways with tbf), one rank per host, and for each rate runs, `--repeat` times and

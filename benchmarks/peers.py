@@ -2,7 +2,7 @@
 
     python benchmarks/peers.py -n 4 --sizes 4K,64K,1M,16M,64M --repeat 5
     python benchmarks/peers.py -n 4 --algorithms shm,auto --sides dsml,mpi
-    python benchmarks/peers.py -n 2 --sizes 16M --sides dsml,base,mpi --baseline /work/main
+    python benchmarks/peers.py -n 2 --sizes 16M --sides dsml,base,mpi --baseline DIR
 
 Every repeat runs each side once, in turn (dsml, Gloo, MPICH, dsml, Gloo, ...), so a noisy
 minute on a shared machine hurts all of them. Inside a run, each size is timed the same way
