@@ -336,6 +336,15 @@ def test_dsml_shm_config_is_validated() -> None:
     assert dataclasses.replace(dsml.CommConfig(), shm=False).shm is False
 
 
+async def test_a_dsml_shm_value_that_is_neither_on_nor_off_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, DSML_SHM=nope (or DSML_SHM=disabled) left shared memory on without a word."""
+    monkeypatch.setenv("DSML_SHM", "disabled")
+    with pytest.raises(dsml.ConfigError, match="DSML_SHM='disabled': use 1"):
+        await dsml.init("tcp://127.0.0.1:9", world_size=1)
+
+
 @pytest.mark.parametrize("n", [5, 300_001])  # inline; several pieces of a 64 KiB stage
 async def test_broadcast_all_gather_and_reduce_scatter_in_shared_memory_are_exact(n: int) -> None:
     world = 3

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from .._opener import Opener
 from ..collectives.devices import DeviceSpec, parse_device, resolve_device
 from ..config import CommConfig, env_float, environ
-from ..errors import DsmlError
+from ..errors import ConfigError, DsmlError
 from ..launch import Rendezvous, choose_bind, find_registry, resolve_rendezvous
 from ..launch.join import running_world_size
 from ..membership import Member, RegistryClient
@@ -71,6 +71,8 @@ def _resolve(
         config = dataclasses.replace(config, shm=False)
     elif shm in ("1", "true", "yes", "on") and not config.shm:
         config = dataclasses.replace(config, shm=True)
+    elif shm not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ConfigError(f"DSML_SHM={env['DSML_SHM']!r}: use 1 (on, the default) or 0 (off)")
     return _JoinArgs(plan, name, config, spec, bind, ifname)
 
 
