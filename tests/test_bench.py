@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dsml.cli.bench import format_row
 from dsml.collectives import ALL_REDUCE_ALGORITHMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,3 +89,16 @@ def test_bench_help_lists_every_algorithm():
     for name in ("auto", *ALL_REDUCE_ALGORITHMS):
         assert name in text
     assert "p10_s" in text
+
+
+def test_a_row_names_what_ran_when_it_is_not_what_was_asked():
+    """`--algorithm shm` with shared memory off runs the ring over TCP: the row says so."""
+
+    def label(algorithm: str, chosen: str) -> str:
+        row = {"bytes": 4096, "algorithm": algorithm, "chosen": chosen, "iterations": 1}
+        row |= {"p10_s": 1e-5, "p50_s": 1e-5, "p90_s": 1e-5, "algbw_GBps": 0.4}
+        return format_row(row | {"busbw_GBps": 0.4}).split()[1]
+
+    assert label("shm", "ring") == "shm(ring)"
+    assert label("auto", "shm") == "auto(shm)"
+    assert label("ring", "ring") == "ring"

@@ -141,8 +141,8 @@ def header(world_size: int, op: str, dtype: str, device: str = "cpu") -> str:
 
 def format_row(row: dict[str, Any]) -> str:
     name = row["algorithm"]
-    if name == "auto" and row.get("chosen"):
-        name = f"auto({row['chosen']})"
+    if row.get("chosen") and row["chosen"] != name:  # what auto chose; shm that fell back
+        name = f"{name}({row['chosen']})"
     return (
         f"  {row['bytes']:>12} {name:>14} {row['iterations']:>6} {row['p10_s'] * 1e6:>10.1f} "
         f"{row['p50_s'] * 1e6:>10.1f} {row['p90_s'] * 1e6:>10.1f} "
