@@ -276,6 +276,7 @@ async def test_a_lost_connection_is_a_disconnect_not_unreachable():
         "tcp://:5555",
         "tcp://127.0.0.1:port",
         "tcp://127.0.0.1:",
+        "tcp://127.0.0.1:99999",  # ZeroMQ would connect to 99999 - 65536 = 34463
     ],
 )
 def test_check_address_rejects_what_is_not_an_address(address):

@@ -59,4 +59,6 @@ def check_address(address: object, what: str) -> str:
             raise ConfigError(
                 f"{what} {address!r} needs a host and a port, e.g. tcp://127.0.0.1:5555"
             )
+        if port.isdigit() and int(port) > 65535:  # ZeroMQ would take it modulo 65536
+            raise ConfigError(f"{what} {address!r}: a port is 0-65535")
     return address
