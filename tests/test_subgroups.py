@@ -97,6 +97,33 @@ async def test_new_group_ranks_members_in_the_order_given_and_others_get_none():
     assert [rows[r] for r in (0, 2, 4, 6)] == [None] * 4
 
 
+async def test_numpy_integers_serve_as_ranks_roots_peers_colors_and_keys():
+    """`np.arange(2)`, `np.int64(1)`: what numpy code hands over. Before, each was refused
+    as "not a rank of this group (0..1)" although it was one."""
+    async with open_local_cluster(3) as cluster:
+
+        async def calls(comm):
+            sub = await comm.new_group(np.arange(2))
+            part = await comm.split(np.int64(comm.rank % 2), key=np.int32(-comm.rank))
+            x = np.arange(3.0) + comm.rank
+            await comm.broadcast(x, root=np.int64(2))
+            if comm.rank < 2:
+                await comm.send(np.array([comm.rank]), np.int64(1 - comm.rank), tag=np.uint8(3))
+                got = int((await comm.recv(np.int64(1 - comm.rank), tag=np.int16(3)))[0])
+            else:
+                got = None
+            with pytest.raises(ConfigError, match="root=True"):
+                await comm.broadcast(x, root=True)  # a bool is not a rank
+            return (sub.world_size if sub else None), part.world_size, x.tolist(), got
+
+        rows = await cluster.run(calls)
+    assert rows == [
+        (2, 2, [2.0, 3.0, 4.0], 1),
+        (2, 1, [2.0, 3.0, 4.0], 0),
+        (None, 2, [2.0, 3.0, 4.0], None),
+    ]
+
+
 async def test_bad_split_or_group_arguments_fail_on_every_rank_with_a_clear_error():
     async with open_local_cluster(3) as cluster:
         outcomes = await asyncio.gather(

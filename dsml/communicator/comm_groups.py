@@ -8,7 +8,7 @@ messages are routed and numbered is in subgroups.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import ConfigError, MembershipChangedError
 from . import subgroups
 from .comm_calls import CommunicatorCalls
+from .plan_base import as_int
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -85,12 +86,11 @@ class CommunicatorGroups(CommunicatorCalls):
             ConfigError: on every rank, if the lists differ or one is invalid.
         """
         index = self._take_split()
-        members = list(ranks) if isinstance(ranks, Sequence) else []
-        valid = (
-            bool(members)
-            and all(type(r) is int and 0 <= r < self.world_size for r in members)
-            and len(set(members)) == len(members)
-        )
+        # a list, a tuple, a range or a numpy array of integers (numpy's own included)
+        iterable = not isinstance(ranks, str | bytes) and isinstance(ranks, Iterable)
+        given = [as_int(r) for r in ranks] if iterable else []
+        members = [r for r in given if r is not None and 0 <= r < self.world_size]
+        valid = bool(members) and len(members) == len(given) and len(set(members)) == len(members)
         row = [int(valid), self._reserve_number(), *(members if valid else [])]
         sized = np.array([1 + len(row), *row], dtype=np.int64)  # rows' lengths differ
         rows = subgroups.unpack_rows((await self.all_gather(sized, timeout=timeout)).tolist())

@@ -26,6 +26,7 @@ from ..wire import Envelope, Fingerprint, Kind
 from .call import Call
 from .call_table import PEER_LEFT, CallTable
 from .placement import Placement
+from .plan_base import as_int
 
 __all__ = ["PointToPoint"]
 
@@ -51,13 +52,14 @@ class PointToPoint:
 
     def _check_peer(self, peer: object, tag: object, what: str) -> tuple[int, int]:
         size, rank = self._table.size, self._table.rank
-        if type(peer) is not int or not 0 <= peer < size or peer == rank:
+        peer_rank, tag_value = as_int(peer), as_int(tag)
+        if peer_rank is None or not 0 <= peer_rank < size or peer_rank == rank:
             raise ConfigError(
                 f"{what}={peer!r} must be another rank of this group (0..{size - 1}, not {rank})"
             )
-        if type(tag) is not int or not 0 <= tag <= _MAX_TAG:
+        if tag_value is None or not 0 <= tag_value <= _MAX_TAG:
             raise ConfigError(f"tag={tag!r} must be an integer in [0, 2**31)")
-        return peer, tag
+        return peer_rank, tag_value
 
     def plan_send(
         self, x: Array, dst: object, tag: object, caller: Any = None

@@ -10,6 +10,7 @@ plan_movement.py; `Planner` (plans.py) dispatches a request to them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +33,17 @@ _MEMO_SIZE = 256  # remembered argument checks and fingerprints per communicator
 
 Array = Any
 T = TypeVar("T")
+
+
+def as_int(value: object) -> int | None:
+    """An integer argument (a rank, a tag) as an int, numpy integers included; None for
+    anything else (bool and float too)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +171,12 @@ class PlannerBase:
 
     @staticmethod
     def _root(root: object, size: int) -> int:
-        if type(root) is not int or not 0 <= root < size:
+        value = as_int(root)
+        if value is None or not 0 <= value < size:
             raise ConfigError(
                 f"root={root!r} is not a rank of this group of {size} (0..{size - 1})"
             )
-        return root
+        return value
 
     def _flat_input(self, be: ArrayBackend, x: Array) -> tuple[Array, Array | None]:
         """A flat contiguous view of x, or a pooled copy (returned second, to release)."""

@@ -40,6 +40,7 @@ from ..membership import View
 from ..transport import Sent
 from ..wire import Envelope, Kind
 from .links import Inbound, PeerLinks
+from .plan_base import as_int
 from .tasks import TaskOwner
 
 if TYPE_CHECKING:
@@ -283,6 +284,7 @@ class SubViews:
 
 def check_split_args(color: object, key: object) -> bool:
     """Whether color (an int or None) and key (an int or None) are valid."""
-    ok_color = color is None or (type(color) is int and 0 <= color < 1 << 62)
-    ok_key = key is None or (type(key) is int and -(1 << 62) <= key < 1 << 62)
+    color_value, key_value = as_int(color), as_int(key)
+    ok_color = color is None or (color_value is not None and 0 <= color_value < 1 << 62)
+    ok_key = key is None or (key_value is not None and -(1 << 62) <= key_value < 1 << 62)
     return ok_color and ok_key
