@@ -242,6 +242,39 @@ async def test_a_registry_that_cannot_bind_raises_config_error():
             await dsml.open_registry(config=RegistryConfig(address=first.address))
 
 
+async def test_a_join_timeout_names_the_workers_the_registry_refused_meanwhile():
+    """Before, the accepted worker heard only 'start the missing workers': the one refused
+    for asking another world size was never mentioned."""
+    async with dsml.open_registry() as registry:
+        waiting = asyncio.ensure_future(
+            dsml.init(registry.address, 3, config=CommConfig(join_timeout=1.5))
+        )
+        await eventually(lambda: joining(registry) == 1, "the first worker joined")
+        with pytest.raises(ConfigError, match="refused to add this worker"):
+            await dsml.init(registry.address, 2)
+        with pytest.raises(JoinTimeoutError) as timed_out:
+            await waiting
+        message = str(timed_out.value)
+        assert "1 of 3 members joined" in message
+        assert "The registry refused 1 worker(s) meanwhile" in message
+        assert "forming a group of world_size=3, but this member asked for world_size=2" in message
+        assert len(registry.status()["refused"]) == 1
+
+
+async def test_a_registry_that_dies_while_the_group_forms_fails_the_join_it_accepted():
+    """Before, the accepted worker waited out join_timeout (120 s by default) and then
+    blamed missing workers."""
+    registry = await dsml.open_registry()
+    config = CommConfig(join_timeout=60, registry_timeout=1)
+    waiting = asyncio.ensure_future(dsml.init(registry.address, 2, config=config))
+    await eventually(lambda: joining(registry) == 1, "the worker joined")
+    await registry.aclose()
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(RegistryUnavailableError, match="stopped answering while the group"):
+        await waiting
+    assert asyncio.get_running_loop().time() - started < 10  # 4 s of silence, and a resend
+
+
 async def test_the_group_not_forming_in_time_raises_join_timeout_saying_how_many_joined():
     async with dsml.open_registry() as registry:
         config = CommConfig(join_timeout=0.5, registry_timeout=2)

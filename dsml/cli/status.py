@@ -90,6 +90,8 @@ def _render(address: str, status: dict[str, Any]) -> str:
             )
     for m in status.get("joining") or []:
         lines.append(f"   -  {m['address']:<24} {m['host'] + ':' + str(m['pid']):<22} (joining)")
+    for reason in status.get("refused") or []:
+        lines.append(f"   -  refused {reason}")
     workers = status.get("workers") or []
     if workers:
         idle = sum(1 for w in workers if w.get("state") == "idle")

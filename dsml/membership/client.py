@@ -222,25 +222,47 @@ class RegistryClient:
                         async with asyncio.timeout(_JOIN_RESEND_S):
                             await self._view_changed.wait()
                     except TimeoutError:  # the registry may have restarted: ask again
+                        self._check_registry_answers()
+                        self._replies.discard(Kind.JOIN_ACCEPTED)  # to earlier requests
                         await self._request(Kind.JOIN_REQUEST, request)
         except TimeoutError:
             raise JoinTimeoutError(await self._formation_report(world_size)) from None
         assert self.view is not None
         return self.view
 
+    def _check_registry_answers(self) -> None:
+        """While the group forms, every join request sent again gets an answer: a registry
+        silent for longer than registry_timeout is gone (not restarting quickly)."""
+        silent = time.monotonic() - self.last_heard
+        if silent > max(self.config.registry_timeout, 2 * _JOIN_RESEND_S):
+            raise RegistryUnavailableError(
+                f"the registry at {self.address} stopped answering while the group was "
+                f"forming: nothing heard from it for {silent:.0f} s (registry_timeout "
+                f"{self.config.registry_timeout:g} s). Start it again, then this worker",
+                address=self.address,
+            )
+
     async def _formation_report(self, world_size: int) -> str:
+        refused: list[str] = []
         try:
             status = await self.status()
             joined = len(status.get("joining", []))
+            refused = [str(r) for r in status.get("refused", [])]
         except RegistryUnavailableError:
             joined = -1
         await self.leave()
         have = f"{joined} of {world_size}" if joined >= 0 else f"fewer than {world_size}"
-        return (
+        report = (
             f"the group did not form within {self.config.join_timeout:g} s: {have} members "
             f"joined the registry at {self.address}. Start the missing workers (dsml run -n "
             f"{world_size} starts them all), or lower world_size"
         )
+        if refused:
+            report += (
+                f". The registry refused {len(refused)} worker(s) meanwhile; the last: "
+                f"{refused[-1]}"
+            )
+        return report
 
     async def status(self) -> dict[str, Any]:
         """The registry's description of the group."""

@@ -180,6 +180,7 @@ class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
             + [m.to_wire() for m in self._pending.values()],
             "world_size": view.size if view else self._target_size(),
             "evicted": list(self._evicted)[-16:],
+            "refused": list(self._refused),
             "workers": self.pool.listing(),
             "heartbeat_interval": self.config.heartbeat_interval,
             "heartbeat_timeout": self.config.heartbeat_timeout,

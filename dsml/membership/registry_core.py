@@ -13,6 +13,7 @@ this state are `RegistryJoins` (registry_joins.py), `RegistryLiveness`
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class RegistryCore:
         self._epoch = 0
         self._live: dict[str, Liveness] = {}
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
+        #: the last joins refused, with why (`status()`: a member whose group never forms
+        #: tells from them that its peers were turned away)
+        self._refused: collections.deque[str] = collections.deque(maxlen=8)
         self._suspects: set[str] = set()  # being checked
         self._reports: dict[str, set[str]] = {}  # suspect -> members that lost it, this epoch
         self._reports_from = 0.0  # reports before this (queued while it was away) are old

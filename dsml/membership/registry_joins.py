@@ -42,6 +42,7 @@ class RegistryJoins(RegistryCore):
         reason = self._join_refusal(member, world_size, wanted)
         if reason:
             log.warning("refused %s: %s", member.describe(), reason)
+            self._refused.append(f"{member.describe()}: {reason}")
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": reason})
             return
         accepted = self._settings()
