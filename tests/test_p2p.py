@@ -8,6 +8,7 @@ import contextlib
 import numpy as np
 import pytest
 
+import dsml
 from dsml import (
     CollectiveAbortedError,
     CollectiveError,
@@ -94,6 +95,8 @@ async def test_an_array_too_large_for_one_message_is_refused_before_sending():
     async with open_local_cluster(2, config=tiny_frames) as cluster:
         with pytest.raises(ConfigError, match="more than one message may carry"):
             cluster[0].send(np.zeros(4096 * 4096 + 1, dtype=np.uint8), 1)  # 4097 frames
+        with pytest.raises(CollectiveAbortedError, match="more than one message may carry"):
+            await cluster[1].recv(0)  # the refusal took that send's place
         x = np.zeros(4096 * 4096, dtype=np.uint8)  # 4096 frames: the most allowed
         received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
         assert_same_array(received, x)
@@ -290,23 +293,28 @@ async def test_after_a_send_completes_the_input_can_be_modified_without_changing
 
 
 @pytest.mark.parametrize(
-    ("call", "message"),
+    ("call", "message", "refused"),
     [
-        (lambda c: c.send(np.ones(2), 1, tag=-1), "tag=-1"),
-        (lambda c: c.send(np.ones(2), 1, tag=1 << 31), "tag="),
-        (lambda c: c.send(np.ones(2), 2), "dst=2"),
-        (lambda c: c.send(np.ones(2), True), "dst=True"),
-        (lambda c: c.recv(0), "src=0"),
-        (lambda c: c.recv(1, tag="a"), "tag='a'"),
-        (lambda c: c.send([1, 2], 1), "numpy array"),
-        (lambda c: c.send(np.array(["a"]), 1), "not supported"),
-        (lambda c: c.recv(1, timeout=0), "timeout"),
+        (lambda c: c.send(np.ones(2), 1, tag=-1), "tag=-1", False),
+        (lambda c: c.send(np.ones(2), 1, tag=1 << 31), "tag=", False),
+        (lambda c: c.send(np.ones(2), 2), "dst=2", False),
+        (lambda c: c.send(np.ones(2), True), "dst=True", False),
+        (lambda c: c.recv(0), "src=0", False),
+        (lambda c: c.recv(1, tag="a"), "tag='a'", False),
+        (lambda c: c.send([1, 2], 1), "numpy array", True),
+        (lambda c: c.send(np.array(["a"]), 1), "not supported", True),
+        (lambda c: c.recv(1, timeout=0), "timeout", False),
     ],
 )
-async def test_bad_arguments_raise_config_error_at_the_call(call, message):
+async def test_bad_arguments_raise_config_error_at_the_call(call, message, refused):
+    """A send to a valid peer that is refused here is refused there too (its recv fails);
+    with no valid peer, or for a recv, nothing is sent and the stream is untouched."""
     async with open_local_cluster(2, config=PATIENT) as cluster:
         with pytest.raises(ConfigError, match=message):
             call(cluster[0])
+        if refused:
+            with pytest.raises(CollectiveAbortedError, match=message):
+                await cluster[1].recv(0)
         x = np.arange(3)
         received, _ = await asyncio.gather(cluster[1].recv(0), cluster[0].send(x, 1))
         assert_same_array(received, x)
@@ -323,3 +331,48 @@ async def test_sends_keep_their_order_when_the_peer_queue_is_full(monkeypatch):
         received = [int((await cluster[1].recv(0))[0]) for _ in range(n)]
         await asyncio.gather(*sends)
         assert received == list(range(n))
+
+
+async def test_a_send_this_rank_refuses_fails_the_matching_recv_at_once_and_the_stream_goes_on():
+    """Before, the receiver waited for its timeout (or took the next message in its
+    place): a send refused on its own rank never reached the peer."""
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        waiting = cluster[1].recv(0, tag=5)
+        with pytest.raises(ConfigError, match="dtype object"):
+            cluster[0].send(np.array([1.0, 2.0], dtype=object), 1, tag=5)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(CollectiveAbortedError, match="rank 0 refused the matching send"):
+            await waiting
+        assert asyncio.get_running_loop().time() - started < 5
+        # The refusal took the send's place: the next message is the next recv's.
+        await cluster[0].send(np.arange(3.0), 1, tag=5)
+        assert_same_array(await cluster[1].recv(0, tag=5), np.arange(3.0))
+
+
+async def test_a_masked_array_is_sent_as_its_data_as_collectives_take_it():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        x = np.ma.array(np.arange(6.0), mask=[True, False] * 3)
+        sent = cluster[0].send(x, 1)
+        got = await cluster[1].recv(0)
+        await sent
+        assert_same_array(got, np.arange(6.0))
+
+
+async def test_sends_go_in_frames_of_chunk_bytes_so_a_peer_with_a_smaller_frame_limit_gets_them():
+    """A sender's own max_frame_bytes no longer sizes its frames: the receiver's limit may
+    be lower (ZeroMQ drops the connection of a peer that sends more)."""
+    small = CommConfig(timeout=30, chunk_bytes=1 << 20, max_frame_bytes=2 << 20)
+    large = CommConfig(timeout=30, chunk_bytes=1 << 20, max_frame_bytes=64 << 20)
+    async with dsml.open_registry() as registry:
+        joins = [
+            dsml.init(registry.address, world_size=2, rank=r, config=c)
+            for r, c in enumerate([large, small])
+        ]
+        comms = await asyncio.gather(*joins)
+        try:
+            x = np.arange(3 << 20, dtype=np.float32)  # 12 MiB
+            sent = comms[0].send(x, 1)
+            assert_same_array(await comms[1].recv(0), x)
+            await sent
+        finally:
+            await asyncio.gather(*(c.aclose() for c in comms))

@@ -3,10 +3,13 @@
 Messages are ordered per (source, destination, tag): each side numbers its sends and
 receives per (peer, tag), and a receive checks that the message it takes carries the
 number it expects. A message is one ZeroMQ multipart message: the envelope, whose
-fingerprint describes dtype and shape, then the payload in frames of at most
-`max_frame_bytes`. The receiver gets a new array (a single-frame payload is used in place,
-without a copy) on `comm.device`. A cupy array is sent through pinned host memory, after
-the work queued on the caller's stream.
+fingerprint describes dtype and shape, then the payload in frames of `chunk_bytes` (the
+same on every rank, where a peer's `max_frame_bytes` may be below this rank's). The
+receiver gets a new array (a single-frame payload is used in place, without a copy) on
+`comm.device`. A cupy array is sent through pinned host memory, after the work queued on
+the caller's stream. A send this rank refuses (its array: a dtype not supported, too
+large) to a valid peer still takes its place in the stream, as a refusal: the matching
+receive fails at once with the reason instead of waiting (or taking a later message).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any
 from ..collectives import DTYPES, NUMPY, backend_of, dtype_name
 from ..collectives.chunking import chunk_spans
 from ..collectives.devices import is_cupy_array
-from ..errors import ConfigError, ProtocolError
-from ..wire import Envelope, Fingerprint, Kind
+from ..errors import CollectiveAbortedError, ConfigError, ProtocolError
+from ..wire import Envelope, Fields, Fingerprint, Kind
 from .call import Call
 from .call_table import PEER_LEFT, CallTable
 from .placement import Placement
@@ -34,6 +37,7 @@ Array = Any
 _MAX_TAG = (1 << 31) - 1
 _CHECK_PEER_S = 0.25  # while a send waits for ZeroMQ, how often to look for a goodbye
 _MAX_FRAMES = 4096
+_MAX_REASON = 1024  # characters of a refused send's reason that travel to the receiver
 
 
 class PointToPoint:
@@ -70,11 +74,21 @@ class PointToPoint:
         `caller` is the calling thread's current CUDA stream when x is a cupy array.
         """
         dst, tag = self._check_peer(dst, tag, "dst")
-        be = backend_of(x)
-        fp = Fingerprint("send", dtype_name(x.dtype), x.size, x.shape)
-        frame_elems = max(1, self._table.config.max_frame_bytes // x.dtype.itemsize)
+        try:
+            be = backend_of(x, "x")
+            x = be.plain(x)  # a masked array or a matrix: its plain data, as collectives do
+            fp = Fingerprint("send", dtype_name(x.dtype), x.size, x.shape)
+        except ConfigError as exc:
+            self._reject_send(dst, tag, str(exc))
+            raise
+        config = self._table.config
+        # Frames of chunk_bytes, like the collectives' (the fingerprints keep it the same
+        # on every rank), not of this rank's max_frame_bytes, which a peer's may be below.
+        frame_elems = max(1, min(config.chunk_bytes, config.max_frame_bytes) // x.dtype.itemsize)
         if math.ceil(x.size / frame_elems) > _MAX_FRAMES:
-            raise ConfigError(f"send: {x.nbytes} bytes is more than one message may carry")
+            reason = f"send: {x.nbytes} bytes is more than one message may carry"
+            self._reject_send(dst, tag, reason)
+            raise ConfigError(reason)
         if is_cupy_array(x):
             from ..collectives import cuda  # only once a cupy array is seen
 
@@ -115,6 +129,24 @@ class PointToPoint:
 
         return dst, tag, fp, send
 
+    def _reject_send(self, dst: int, tag: int, reason: str) -> None:
+        """This rank refused a send to a valid peer: the matching receive there must fail
+        with the reason, not wait for (or take) the next message of the stream. The
+        refusal takes the send's place in the (dst, tag) stream."""
+        table = self._table
+        self._sent[(dst, tag)] += 1
+        env = Envelope(
+            Kind.PEER_MESSAGE,
+            table.epoch,
+            table.rank,
+            cid=self._sent[(dst, tag)],
+            step=tag,
+            fingerprint=Fingerprint("send"),
+            body={"rejected": reason[:_MAX_REASON]},
+        )
+        if table.links.try_send(dst, env) is None:
+            table.links.send_in_turn(dst, env)  # queued behind the sends waiting for room
+
     def plan_recv(self, src: object, tag: object) -> tuple[int, int]:
         """Validate a recv; returns (src, tag)."""
         return self._check_peer(src, tag, "src")
@@ -139,6 +171,15 @@ class PointToPoint:
         if env.cid != seq:
             raise ProtocolError(f"message #{env.cid} from rank {src} (tag {tag}) arrived as #{seq}")
         self._received[(src, tag)] = seq
+        if env.body is not None and "rejected" in env.body:
+            reason = Fields(env.body, "PeerMessage").get_str("rejected", _MAX_REASON)
+            raise CollectiveAbortedError(
+                f"recv from rank {src} (tag {tag}): rank {src} refused the matching send: {reason}",
+                origin=src,
+                rank=table.rank,
+                epoch=table.epoch,
+                collective="recv",
+            )
         if fp is None or fp.dtype not in DTYPES or fp.shape is None or fp.count is None:
             raise ProtocolError(f"rank {src} sent a message without dtype and shape")
         dtype = DTYPES[fp.dtype]
