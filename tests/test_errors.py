@@ -267,3 +267,20 @@ async def test_a_handle_reports_its_state():
         assert handles[0].done()
         assert "done" in repr(handles[0])
         assert handles[0].result() is not None
+
+
+async def test_a_peer_told_of_rejected_gather_arguments_hears_only_what_differs():
+    """Rank 1's gather of an object array is rejected; rank 0's error names the dtype, and
+    not also a shape that differed only because the rejected call's row shape was wrong."""
+    async with open_local_cluster(2) as cluster:
+
+        async def call(comm):
+            x = np.zeros(100, dtype=object if comm.rank == 1 else np.float64)
+            with pytest.raises(dsml.DsmlError) as failed:
+                await comm.gather(x)
+            return str(failed.value)
+
+        messages = await cluster.run(call)
+    assert "(different dtype)" in messages[0], messages[0]
+    assert "gather(object, shape=(*)" in messages[0]
+    assert "dtype object is not supported" in messages[1]

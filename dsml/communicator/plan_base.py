@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..collectives import ArrayBackend, BufferPool, backend_of, dtype_name
 from ..collectives.cost_auto import AutoChooser
 from ..errors import ConfigError
-from ..wire import Fingerprint
+from ..wire import ROW_COLLECTIVES, Fingerprint
 from .call import Call
 from .stats import timed
 
@@ -95,6 +95,8 @@ def loose_fingerprint(
     shape = getattr(x, "shape", None)
     if not (isinstance(shape, tuple) and len(shape) <= 64 and all(_valid_int(d) for d in shape)):
         shape = None
+    elif collective in ROW_COLLECTIVES:  # their fingerprints hold a row's shape
+        shape = shape[1:] if shape else None
     return Fingerprint(
         collective,
         dtype=_short_name(dtype),
