@@ -349,6 +349,19 @@ async def test_a_send_this_rank_refuses_fails_the_matching_recv_at_once_and_the_
         assert_same_array(await cluster[1].recv(0, tag=5), np.arange(3.0))
 
 
+async def test_a_refused_send_keeps_its_place_between_the_sends_around_it():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        before = cluster[0].send(np.arange(2.0), 1)  # started, not yet run
+        with pytest.raises(ConfigError):
+            cluster[0].send(np.array([None]), 1)
+        after = cluster[0].send(np.arange(4.0), 1)
+        assert_same_array(await cluster[1].recv(0), np.arange(2.0))
+        with pytest.raises(CollectiveAbortedError, match="refused the matching send"):
+            await cluster[1].recv(0)
+        assert_same_array(await cluster[1].recv(0), np.arange(4.0))
+        await asyncio.gather(before, after)
+
+
 async def test_a_masked_array_is_sent_as_its_data_as_collectives_take_it():
     async with open_local_cluster(2, config=PATIENT) as cluster:
         x = np.ma.array(np.arange(6.0), mask=[True, False] * 3)

@@ -132,7 +132,12 @@ class PointToPoint:
     def _reject_send(self, dst: int, tag: int, reason: str) -> None:
         """This rank refused a send to a valid peer: the matching receive there must fail
         with the reason, not wait for (or take) the next message of the stream. The
-        refusal takes the send's place in the (dst, tag) stream."""
+        refusal takes the send's place in the (dst, tag) stream: it is numbered in a
+        callback, behind the first steps of the sends started before it (they number
+        their messages there), ahead of those started after it."""
+        asyncio.get_running_loop().call_soon(self._send_refusal, dst, tag, reason)
+
+    def _send_refusal(self, dst: int, tag: int, reason: str) -> None:
         table = self._table
         self._sent[(dst, tag)] += 1
         env = Envelope(
