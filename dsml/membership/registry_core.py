@@ -66,8 +66,8 @@ class RegistryCore:
         self._epoch = 0
         self._live: dict[str, Liveness] = {}
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
-        #: the last joins refused, with why (`status()`: a member whose group never forms
-        #: tells from them that its peers were turned away)
+        #: the last joins refused since a group last formed, with why (`status()`: a member
+        #: whose group never forms tells from them that its peers were turned away)
         self._refused: collections.deque[str] = collections.deque(maxlen=8)
         self._suspects: set[str] = set()  # being checked
         self._reports: dict[str, set[str]] = {}  # suspect -> members that lost it, this epoch

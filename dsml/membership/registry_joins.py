@@ -86,6 +86,7 @@ class RegistryJoins(RegistryCore):
         free = iter(j.member for j in joiners if j.wanted_rank is None)
         members = tuple(m if m is not None else next(free) for m in ranks)
         self._joining.clear()
+        self._refused.clear()  # refusals since the last group formed: what the next waits on
         log.info("forming a group of %d", world_size)
         self._publish(members, Change(joined=tuple(m.id for m in members)))
 
