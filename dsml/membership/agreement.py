@@ -136,8 +136,9 @@ class Agreement:
             raise NoQuorumError(
                 f"only {survivors} of the {self.previous.size} members of epoch "
                 f"{self.previous.epoch} are reachable from here, not a majority: this side "
-                "may not form a view without the registry. Calls fail until the registry "
-                "is back and says which group goes on (join again if this side was dropped)",
+                "may not form a view on its own. Calls fail until the registry says which "
+                "group goes on (this side may be the one that stalled or was cut off: join "
+                "again if it was dropped)",
                 epoch=self.previous.epoch,
             )
 
