@@ -45,8 +45,9 @@ class CommConfig:
             new view before failing.
         chunk_bytes: pipeline unit of the large-message algorithms.
         max_frame_bytes: largest payload frame accepted from a peer (ZeroMQ drops the
-            connection of a peer that sends more); it also bounds the chunks `auto` may
-            choose, so give every rank the same value.
+            connection of a peer that sends more). Published in this member's view
+            record: peers keep their frames, and `auto` its chunks, within the smallest
+            of the view.
         zero_copy_min_bytes: frames at least this large are sent without copying.
         bind: address the worker's endpoint binds; port 0 lets the OS choose.
         tune_malloc: raise glibc's malloc thresholds so ZeroMQ's receive buffers are

@@ -168,3 +168,34 @@ def test_choices_from_a_model_are_remembered_per_size_until_the_model_changes() 
     assert chooser.choose(first, 4096) is chooser.choose(first, 4096)
     assert chooser.choose(first, 4096) == first.choose(4096)
     assert chooser.choose(second, 4096) == second.choose(4096) != first.choose(4096)
+
+
+async def test_the_chunks_auto_may_choose_stay_within_the_smallest_frame_of_the_view() -> None:
+    """A member accepting smaller frames than this rank (its max_frame_bytes, in the view)
+    bounds the model's chunks, read once per view; below the probe's frames, the size
+    table decides (every rank alike: the bound comes from the view)."""
+    from dsml.collectives.cost_auto import AutoChooser
+    from dsml.collectives.cost_probe import PROBE_FRAME_BYTES
+    from dsml.communicator.communicator import frame_limit
+    from dsml.membership import Member, View
+
+    def view(epoch: int, *frames: int) -> View:
+        members = tuple(
+            Member(f"m{i}", f"tcp://10.0.0.{i}:1", max_frame=f) for i, f in enumerate(frames)
+        )
+        return View(epoch, members)
+
+    current = [view(1, 64 * MiB, 8 * MiB)]
+    assert frame_limit(current[0]) == 8 * MiB
+    assert frame_limit(view(1, 0, 0)) == 0  # members that did not say: no bound
+    chooser = AutoChooser(
+        lambda: current[0].epoch,
+        lambda: ["a", "b"],
+        default_chunk_bytes=4 * MiB,
+        max_chunk_bytes=64 * MiB,
+        frame_limit=lambda: frame_limit(current[0]),
+    )
+    assert chooser.ticket() is not None
+    assert chooser._chunks["max_chunk_bytes"] == 8 * MiB
+    current[0] = view(2, 64 * MiB, PROBE_FRAME_BYTES // 2)
+    assert chooser.ticket() is None

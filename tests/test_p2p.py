@@ -371,11 +371,13 @@ async def test_a_masked_array_is_sent_as_its_data_as_collectives_take_it():
         assert_same_array(got, np.arange(6.0))
 
 
-async def test_sends_go_in_frames_of_chunk_bytes_so_a_peer_with_a_smaller_frame_limit_gets_them():
-    """A sender's own max_frame_bytes no longer sizes its frames: the receiver's limit may
-    be lower (ZeroMQ drops the connection of a peer that sends more)."""
-    small = CommConfig(timeout=30, chunk_bytes=1 << 20, max_frame_bytes=2 << 20)
-    large = CommConfig(timeout=30, chunk_bytes=1 << 20, max_frame_bytes=64 << 20)
+async def test_sends_keep_their_frames_within_what_the_peer_accepts():
+    """The sender's own max_frame_bytes and chunk_bytes no longer size its frames alone:
+    the receiver's limit (in its view record) may be lower, and ZeroMQ drops the
+    connection of a peer that sends more (before: the message lost, the receiver later
+    evicted)."""
+    small = CommConfig(timeout=30, chunk_bytes=1 << 20, max_frame_bytes=1 << 20)
+    large = CommConfig(timeout=30, chunk_bytes=4 << 20, max_frame_bytes=64 << 20)
     async with dsml.open_registry() as registry:
         joins = [
             dsml.init(registry.address, world_size=2, rank=r, config=c)
@@ -383,6 +385,7 @@ async def test_sends_go_in_frames_of_chunk_bytes_so_a_peer_with_a_smaller_frame_
         ]
         comms = await asyncio.gather(*joins)
         try:
+            assert [m.max_frame for m in comms[0].view.members] == [64 << 20, 1 << 20]
             x = np.arange(3 << 20, dtype=np.float32)  # 12 MiB
             sent = comms[0].send(x, 1)
             assert_same_array(await comms[1].recv(0), x)

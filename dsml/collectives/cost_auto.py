@@ -57,9 +57,19 @@ class AutoChooser:
     """The cost model of the current view and the choices `auto` makes from it."""
 
     def __init__(
-        self, epoch: Epoch, hosts: Hosts, *, default_chunk_bytes: int, max_chunk_bytes: int
+        self,
+        epoch: Epoch,
+        hosts: Hosts,
+        *,
+        default_chunk_bytes: int,
+        max_chunk_bytes: int,
+        frame_limit: Callable[[], int] | None = None,
     ):
+        """`max_chunk_bytes` bounds the chunks it chooses; `frame_limit()`, read once per
+        view, lowers that bound to the smallest frame a member of the view accepts (the
+        same on every rank: it comes from the view)."""
         self._current_epoch, self._current_hosts = epoch, hosts
+        self._max_chunk_bytes, self._frame_limit = max_chunk_bytes, frame_limit
         self._seen: tuple[int, list[str], bool] = (-1, [], False)  # epoch, hosts, one host
         self._chunks = {
             "default_chunk_bytes": default_chunk_bytes,
@@ -114,6 +124,9 @@ class AutoChooser:
         if epoch != self._seen[0]:  # look at the view once per epoch: calls stay cheap
             hosts = list(self._current_hosts())
             self._seen = (epoch, hosts, len(set(hosts)) <= 1)
+            limit = self._frame_limit() if self._frame_limit is not None else 0
+            bound = min(self._max_chunk_bytes, limit) if limit > 0 else self._max_chunk_bytes
+            self._chunks["max_chunk_bytes"] = bound
         _, hosts, one_host = self._seen
         if one_host or self._chunks["max_chunk_bytes"] < PROBE_FRAME_BYTES:
             return None  # the size table decides (frames this small cannot carry the probe)

@@ -73,6 +73,7 @@ class Communicator(CommunicatorGroups):
             lambda: host_keys(links.view),
             default_chunk_bytes=config.chunk_bytes,
             max_chunk_bytes=config.max_frame_bytes,
+            frame_limit=lambda: frame_limit(links.view),
         )
         self._shm = ShmHook(config, self._table)  # same-host shared memory (shm_hook.py)
         self._views.listeners.append(lambda _old, new: self._shm.set_view(new))
@@ -219,6 +220,12 @@ class Communicator(CommunicatorGroups):
 def _described(mark: tuple[int, int, Fingerprint] | None) -> list[Any] | None:
     """A call table's (epoch, cid, fingerprint) as a heartbeat reports it."""
     return None if mark is None else [mark[0], mark[1], mark[2].describe()]
+
+
+def frame_limit(view: View | None) -> int:
+    """The smallest payload frame a member of the view accepts (0: none said)."""
+    said = [m.max_frame for m in view.members if m.max_frame > 0] if view is not None else []
+    return min(said, default=0)
 
 
 def host_keys(view: View | None) -> list[str]:

@@ -105,7 +105,15 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
     links = PeerLinks(member_id, config, tasks)  # constructing does no I/O ...
     address = advertised(links.bind(), toward=registry_address)  # ... binding does
     host_id = host_identity() if config.shm else ""  # empty: no shared memory with us
-    member = Member(member_id, address, args.name, socket.gethostname(), os.getpid(), host_id)
+    member = Member(
+        member_id,
+        address,
+        args.name,
+        socket.gethostname(),
+        os.getpid(),
+        host_id,
+        config.max_frame_bytes,
+    )
     registry = RegistryClient(registry_address, member, config)
     try:
         registry.open()

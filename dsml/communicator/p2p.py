@@ -3,8 +3,8 @@
 Messages are ordered per (source, destination, tag): each side numbers its sends and
 receives per (peer, tag), and a receive checks that the message it takes carries the
 number it expects. A message is one ZeroMQ multipart message: the envelope, whose
-fingerprint describes dtype and shape, then the payload in frames of `chunk_bytes` (the
-same on every rank, where a peer's `max_frame_bytes` may be below this rank's). The
+fingerprint describes dtype and shape, then the payload in frames of `chunk_bytes`, or
+less where the peer accepts less (its `max_frame_bytes`, in its view record). The
 receiver gets a new array (a single-frame payload is used in place, without a copy) on
 `comm.device`. A cupy array is sent through pinned host memory, after the work queued on
 the caller's stream. A send this rank refuses (its array: a dtype not supported, too
@@ -81,10 +81,13 @@ class PointToPoint:
         except ConfigError as exc:
             self._reject_send(dst, tag, str(exc))
             raise
-        config = self._table.config
-        # Frames of chunk_bytes, like the collectives' (the fingerprints keep it the same
-        # on every rank), not of this rank's max_frame_bytes, which a peer's may be below.
-        frame_elems = max(1, min(config.chunk_bytes, config.max_frame_bytes) // x.dtype.itemsize)
+        config, view = self._table.config, self._table.links.view
+        # Frames of chunk_bytes, like the collectives', and within the largest the peer
+        # accepts (its view record says), which may be below this rank's.
+        frame_bytes = min(config.chunk_bytes, config.max_frame_bytes)
+        if view is not None and view.members[dst].max_frame > 0:
+            frame_bytes = min(frame_bytes, view.members[dst].max_frame)
+        frame_elems = max(1, frame_bytes // x.dtype.itemsize)
         if math.ceil(x.size / frame_elems) > _MAX_FRAMES:
             reason = f"send: {x.nbytes} bytes is more than one message may carry"
             self._reject_send(dst, tag, reason)

@@ -29,6 +29,9 @@ class Member:
     #: boot id and /dev/shm device (`dsml.transport.shm_segment.host_identity`): members
     #: with equal `host` and `host_id` share memory; empty when shared memory is off
     host_id: str = ""
+    #: the largest payload frame it accepts (`CommConfig.max_frame_bytes`; 0: not said):
+    #: senders keep the chunks they choose within every member's
+    max_frame: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -38,6 +41,7 @@ class Member:
             "host": self.host,
             "pid": self.pid,
             "host_id": self.host_id,
+            "max_frame": self.max_frame,
         }
 
     @classmethod
@@ -49,6 +53,7 @@ class Member:
             host=fields.get_str("host", 256),
             pid=fields.get_int("pid", 0, 1 << 31),
             host_id=fields.get_str("host_id", 128, optional=True) or "",
+            max_frame=fields.get_int("max_frame", 0, 1 << 62, optional=True) or 0,
         )
 
     def describe(self) -> str:
