@@ -91,6 +91,15 @@ def test_bench_help_lists_every_algorithm():
     assert "p10_s" in text
 
 
+def test_a_named_algorithm_is_not_labelled_with_what_the_timing_reduction_ran():
+    """50 timed calls of 400 bytes: the max of their times is 400 bytes too (auto's
+    choice, shm). The row must say ring, not ring(shm)."""
+    result = bench("-n", "2", "--sizes", "400", "--algorithm", "ring", "--iters", "50")
+    assert result.returncode == 0, result.stderr
+    row = [line for line in result.stdout.splitlines() if line.strip()][2].split()
+    assert row[:3] == ["400", "ring", "50"]
+
+
 def test_a_row_names_what_ran_when_it_is_not_what_was_asked():
     """`--algorithm shm` with shared memory off runs the ring over TCP: the row says so."""
 

@@ -362,6 +362,14 @@ async def test_a_refused_send_keeps_its_place_between_the_sends_around_it():
         await asyncio.gather(before, after)
 
 
+async def test_a_send_refused_for_its_timeout_is_refused_to_the_receiver_too():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        with pytest.raises(ConfigError, match="timeout"):
+            cluster[0].send(np.arange(2.0), 1, timeout=-1)
+        with pytest.raises(CollectiveAbortedError, match="refused the matching send: timeout"):
+            await cluster[1].recv(0)
+
+
 async def test_a_masked_array_is_sent_as_its_data_as_collectives_take_it():
     async with open_local_cluster(2, config=PATIENT) as cluster:
         x = np.ma.array(np.arange(6.0), mask=[True, False] * 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -273,6 +274,19 @@ async def test_a_registry_that_dies_while_the_group_forms_fails_the_join_it_acce
     with pytest.raises(RegistryUnavailableError, match="stopped answering while the group"):
         await waiting
     assert asyncio.get_running_loop().time() - started < 10  # 4 s of silence, and a resend
+
+
+async def test_a_joiner_whose_own_loop_stalled_does_not_blame_a_registry_that_answers():
+    """Silence is counted in join requests left unanswered, not in time since the registry
+    was last heard: a 4.5 s stall of this loop (registry_timeout 1 s) sent no request."""
+    config = CommConfig(registry_timeout=1, join_timeout=60)
+    async with dsml.open_registry() as registry:
+        first = asyncio.ensure_future(dsml.init(registry.address, 2, config=config))
+        await eventually(lambda: joining(registry) == 1, "the first worker joined")
+        time.sleep(4.5)  # noqa: ASYNC251 - the point: this whole loop stalls
+        second = dsml.init(registry.address, 2, config=config)
+        async with closing(list(await asyncio.gather(first, second))) as comms:
+            assert sorted(c.rank for c in comms) == [0, 1]
 
 
 async def test_the_group_not_forming_in_time_raises_join_timeout_saying_how_many_joined():

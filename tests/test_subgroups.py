@@ -5,6 +5,7 @@ and splits of sub-communicators (nested splits)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import subprocess
@@ -122,6 +123,23 @@ async def test_numpy_integers_serve_as_ranks_roots_peers_colors_and_keys():
         (2, 1, [2.0, 3.0, 4.0], 0),
         (None, 2, [2.0, 3.0, 4.0], None),
     ]
+
+
+@pytest.mark.parametrize(
+    "ranks", [np.array(0), itertools.count()], ids=["0-d array", "endless iterable"]
+)
+async def test_new_group_of_what_is_not_a_list_of_ranks_fails_on_every_rank_and_the_next_works(
+    ranks,
+):
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+
+        async def calls(comm):
+            with pytest.raises(ConfigError, match="new_group"):
+                await comm.new_group(ranks if comm.rank == 0 else [0, 1])
+            sub = await comm.new_group([0, 1])
+            return int((await sub.all_reduce(np.ones(1)))[0])
+
+        assert await cluster.run(calls) == [2, 2]
 
 
 async def test_bad_split_or_group_arguments_fail_on_every_rank_with_a_clear_error():

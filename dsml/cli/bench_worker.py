@@ -49,8 +49,9 @@ def zeros(comm: dsml.Communicator, count: int, dtype: Any) -> Any:
 
 async def measure(
     comm: dsml.Communicator, nbytes: int, algorithm: str, op: str, dtype: Any, iters: int
-) -> np.ndarray:
-    """The time of each of `iters` timed all_reduce calls, the slowest rank's (seconds)."""
+) -> tuple[np.ndarray, str]:
+    """The time of each of `iters` timed all_reduce calls, the slowest rank's (seconds),
+    and the algorithm they ran."""
     x = zeros(comm, nbytes // dtype.itemsize, dtype)
     for _ in range(max(2, iters // 5)):
         await comm.all_reduce(x, op, algorithm=algorithm)
@@ -60,16 +61,16 @@ async def measure(
         start = time.perf_counter()
         await comm.all_reduce(x, op, algorithm=algorithm)
         times[i] = time.perf_counter() - start
+    chosen = chosen_algorithm(comm, algorithm)  # before the max below, which is auto's
     await comm.all_reduce(times, "max")
-    return times
+    return times, chosen
 
 
-def chosen_algorithm(comm: dsml.Communicator, nbytes: int, algorithm: str) -> str:
-    """The algorithm that ran at this size, as the communicator recorded it: for `auto`,
-    the one it chose. Call it right after `measure` (whose last call, the max of the
-    times, is of another size)."""
+def chosen_algorithm(comm: dsml.Communicator, algorithm: str) -> str:
+    """The algorithm the last all_reduce ran, as the communicator recorded it: for `auto`,
+    the one it chose; for `shm` with shared memory off, the ring."""
     for record in reversed(comm.stats()):
-        if record["kind"] == "all_reduce" and record["bytes"] == nbytes:
+        if record["kind"] == "all_reduce":
             return str(record["algorithm"] or algorithm)
     return algorithm
 
@@ -102,9 +103,8 @@ async def main(args: argparse.Namespace) -> None:
         for nbytes in args.sizes:
             for algorithm in args.algorithms:
                 iters = args.iters or iterations(nbytes)
-                times = await measure(comm, nbytes, algorithm, args.op, dtype, iters)
+                times, chosen = await measure(comm, nbytes, algorithm, args.op, dtype, iters)
                 if comm.rank == 0:
-                    chosen = chosen_algorithm(comm, nbytes, algorithm)
                     result = row(nbytes, comm.world_size, algorithm, args.op, times, chosen)
                     result["device"] = comm.device
                     print(ROW_PREFIX + json.dumps(result), flush=True)

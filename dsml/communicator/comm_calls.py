@@ -19,6 +19,7 @@ import numpy as np
 
 from ..collectives.interop import native_arrays, with_native  # torch, JAX, DLPack, buffers
 from ..engine import OpHandle, Tagged, Var
+from ..errors import ConfigError
 from ..wire import Fingerprint
 from .call import Call
 from .collective_handle import CollectiveHandle
@@ -123,8 +124,12 @@ class CommunicatorCalls(CommunicatorInfo):
 
         def start() -> CollectiveHandle[None]:
             self._views.ensure_current()
-            budget = self._runner.budget(timeout)
             dst_, tag_, fp, send = self._p2p.plan_send(x, dst, tag, caller)
+            try:
+                budget = self._runner.budget(timeout)
+            except ConfigError as exc:  # a bad timeout: refused like a bad array
+                self._p2p.refuse(dst_, tag_, str(exc))
+                raise
             call = Call(self._table, 0, fp, budget, peer=dst_, tag=tag_)
             what = f"send to rank {dst_} (tag {tag_})"
             hint = f"is rank {dst_} alive and connected?"

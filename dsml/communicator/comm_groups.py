@@ -8,6 +8,7 @@ messages are routed and numbered is in subgroups.py.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -86,9 +87,14 @@ class CommunicatorGroups(CommunicatorCalls):
             ConfigError: on every rank, if the lists differ or one is invalid.
         """
         index = self._take_split()
-        # a list, a tuple, a range or a numpy array of integers (numpy's own included)
-        iterable = not isinstance(ranks, str | bytes) and isinstance(ranks, Iterable)
-        given = [as_int(r) for r in ranks] if iterable else []
+        # a list, a tuple, a range or a numpy array of integers (numpy's own included);
+        # anything else is invalid here and on every rank (the all_gather below says so)
+        given: list[int | None] = []
+        if not isinstance(ranks, str | bytes) and isinstance(ranks, Iterable):
+            try:  # at most one more than fit: an endless iterable is simply too long
+                given = [as_int(r) for r in itertools.islice(ranks, self.world_size + 1)]
+            except TypeError:  # a 0-d array, say
+                given = []
         members = [r for r in given if r is not None and 0 <= r < self.world_size]
         valid = bool(members) and len(members) == len(given) and len(set(members)) == len(members)
         row = [int(valid), self._reserve_number(), *(members if valid else [])]

@@ -79,7 +79,7 @@ class Communicator(CommunicatorGroups):
         self._views.listeners.append(lambda _old, new: self._shm.set_view(new))
         planner = Planner(config.chunk_bytes, self._placement, self._auto, self._shm)
         self._runner = Runner(self._table, self._views, planner, tasks, config, loop)
-        self._p2p = PointToPoint(self._table, self._placement)
+        self._p2p = PointToPoint(self._table, self._placement, self._tasks)
         self._views.listeners.append(lambda _old, _new: self._p2p.reset())
         self._engine_link = EngineLink(
             self._runner, self._start, lambda: (self.rank, self.epoch), trace=config.engine_trace

@@ -3,8 +3,8 @@
 Messages are ordered per (source, destination, tag): each side numbers its sends and
 receives per (peer, tag), and a receive checks that the message it takes carries the
 number it expects. A message is one ZeroMQ multipart message: the envelope, whose
-fingerprint describes dtype and shape, then the payload in frames of `chunk_bytes`, or
-less where the peer accepts less (its `max_frame_bytes`, in its view record). The
+fingerprint describes dtype and shape, then the payload in frames of `max_frame_bytes`,
+or of the peer's where it accepts less (its view record says). The
 receiver gets a new array (a single-frame payload is used in place, without a copy) on
 `comm.device`. A cupy array is sent through pinned host memory, after the work queued on
 the caller's stream. A send this rank refuses (its array: a dtype not supported, too
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -24,14 +25,17 @@ from typing import Any
 from ..collectives import DTYPES, NUMPY, backend_of, dtype_name
 from ..collectives.chunking import chunk_spans
 from ..collectives.devices import is_cupy_array
-from ..errors import CollectiveAbortedError, ConfigError, ProtocolError
+from ..errors import CollectiveAbortedError, ConfigError, DsmlError, ProtocolError
 from ..wire import Envelope, Fields, Fingerprint, Kind
 from .call import Call
 from .call_table import PEER_LEFT, CallTable
 from .placement import Placement
 from .plan_base import as_int
+from .tasks import TaskOwner
 
 __all__ = ["PointToPoint"]
+
+log = logging.getLogger("dsml.communicator")
 
 Array = Any
 _MAX_TAG = (1 << 31) - 1
@@ -43,9 +47,10 @@ _MAX_REASON = 1024  # characters of a refused send's reason that travel to the r
 class PointToPoint:
     """Sequence numbers and the send/recv bodies for one communicator."""
 
-    def __init__(self, table: CallTable, placement: Placement) -> None:
+    def __init__(self, table: CallTable, placement: Placement, tasks: TaskOwner) -> None:
         self._table = table
         self._placement = placement
+        self._tasks = tasks  # refusals are sent from tasks of the communicator
         self._sent: Counter[tuple[int, int]] = Counter()
         self._received: Counter[tuple[int, int]] = Counter()
 
@@ -79,18 +84,18 @@ class PointToPoint:
             x = be.plain(x)  # a masked array or a matrix: its plain data, as collectives do
             fp = Fingerprint("send", dtype_name(x.dtype), x.size, x.shape)
         except ConfigError as exc:
-            self._reject_send(dst, tag, str(exc))
+            self.refuse(dst, tag, str(exc))
             raise
         config, view = self._table.config, self._table.links.view
-        # Frames of chunk_bytes, like the collectives', and within the largest the peer
-        # accepts (its view record says), which may be below this rank's.
-        frame_bytes = min(config.chunk_bytes, config.max_frame_bytes)
+        # Frames as large as both ends accept: the peer's limit (its view record says it)
+        # may be below this rank's.
+        frame_bytes = config.max_frame_bytes
         if view is not None and view.members[dst].max_frame > 0:
             frame_bytes = min(frame_bytes, view.members[dst].max_frame)
         frame_elems = max(1, frame_bytes // x.dtype.itemsize)
         if math.ceil(x.size / frame_elems) > _MAX_FRAMES:
             reason = f"send: {x.nbytes} bytes is more than one message may carry"
-            self._reject_send(dst, tag, reason)
+            self.refuse(dst, tag, reason)
             raise ConfigError(reason)
         if is_cupy_array(x):
             from ..collectives import cuda  # only once a cupy array is seen
@@ -132,15 +137,15 @@ class PointToPoint:
 
         return dst, tag, fp, send
 
-    def _reject_send(self, dst: int, tag: int, reason: str) -> None:
+    def refuse(self, dst: int, tag: int, reason: str) -> None:
         """This rank refused a send to a valid peer: the matching receive there must fail
         with the reason, not wait for (or take) the next message of the stream. The
-        refusal takes the send's place in the (dst, tag) stream: it is numbered in a
-        callback, behind the first steps of the sends started before it (they number
-        their messages there), ahead of those started after it."""
-        asyncio.get_running_loop().call_soon(self._send_refusal, dst, tag, reason)
+        refusal takes the send's place in the (dst, tag) stream: like a send, it is
+        numbered in the first step of a task of its own, so it keeps its place among the
+        sends started before and after it, whether tasks start eagerly or not."""
+        self._tasks.spawn(self._send_refusal(dst, tag, reason))
 
-    def _send_refusal(self, dst: int, tag: int, reason: str) -> None:
+    async def _send_refusal(self, dst: int, tag: int, reason: str) -> None:
         table = self._table
         self._sent[(dst, tag)] += 1
         env = Envelope(
@@ -152,8 +157,11 @@ class PointToPoint:
             fingerprint=Fingerprint("send"),
             body={"rejected": reason[:_MAX_REASON]},
         )
-        if table.links.try_send(dst, env) is None:
-            table.links.send_in_turn(dst, env)  # queued behind the sends waiting for room
+        try:
+            if table.links.try_send(dst, env) is None:
+                await table.links.send_in_turn(dst, env)  # behind sends waiting for room
+        except DsmlError as exc:  # the peer is gone or the links closed: nobody waits
+            log.debug("a refusal to rank %d was not sent: %s", dst, exc)
 
     def plan_recv(self, src: object, tag: object) -> tuple[int, int]:
         """Validate a recv; returns (src, tag)."""

@@ -48,7 +48,7 @@ class SubCommunicator(Communicator):
         self._runner = Runner(
             self._table, self._views, planner, self._tasks, self.config, parent._loop
         )
-        self._p2p = PointToPoint(self._table, self._placement)
+        self._p2p = PointToPoint(self._table, self._placement, self._tasks)
         self._engine_link = EngineLink(
             self._runner,
             self._start,

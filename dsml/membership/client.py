@@ -215,6 +215,7 @@ class RegistryClient:
             self.heartbeat_interval = fields.get_float("heartbeat_interval", 1e-3, 3600.0)
             if fields.has("heartbeat_timeout"):
                 self.heartbeat_timeout = fields.get_float("heartbeat_timeout", 2e-3, 36000.0)
+        asked, unanswered = time.monotonic(), 0
         try:
             async with asyncio.timeout(self.config.join_timeout):
                 while not self._view_changed.is_set():
@@ -222,23 +223,28 @@ class RegistryClient:
                         async with asyncio.timeout(_JOIN_RESEND_S):
                             await self._view_changed.wait()
                     except TimeoutError:  # the registry may have restarted: ask again
-                        self._check_registry_answers()
+                        unanswered = unanswered + 1 if self.last_heard < asked else 0
+                        self._check_registry_answers(unanswered)
                         self._replies.discard(Kind.JOIN_ACCEPTED)  # to earlier requests
+                        asked = time.monotonic()
                         await self._request(Kind.JOIN_REQUEST, request)
         except TimeoutError:
             raise JoinTimeoutError(await self._formation_report(world_size)) from None
         assert self.view is not None
         return self.view
 
-    def _check_registry_answers(self) -> None:
-        """While the group forms, every join request sent again gets an answer: a registry
-        silent for longer than registry_timeout is gone (not restarting quickly)."""
-        silent = time.monotonic() - self.last_heard
-        if silent > max(self.config.registry_timeout, 2 * _JOIN_RESEND_S):
+    def _check_registry_answers(self, unanswered: int) -> None:
+        """While the group forms, every join request sent again gets an answer. Requests
+        left unanswered, one after another, for registry_timeout (two at least) mean the
+        registry is gone (not restarting quickly). Counted in requests, not in time since
+        the registry was last heard: a worker whose own loop stalled has not asked."""
+        waited = unanswered * _JOIN_RESEND_S
+        if unanswered >= 2 and waited >= self.config.registry_timeout:
             raise RegistryUnavailableError(
                 f"the registry at {self.address} stopped answering while the group was "
-                f"forming: nothing heard from it for {silent:.0f} s (registry_timeout "
-                f"{self.config.registry_timeout:g} s). Start it again, then this worker",
+                f"forming: {unanswered} join requests in {waited:g} s went unanswered "
+                f"(registry_timeout {self.config.registry_timeout:g} s). Start it again, "
+                "then this worker",
                 address=self.address,
             )
 
