@@ -3,10 +3,11 @@
     python benchmarks/gpu_allreduce.py --ranks 2,4 --sizes 64K,1M,16M,64M
 
 For each world size (all ranks share the GPUs there are: rank i on GPU i modulo the count),
-one run of `dsml bench --device cuda`, one of `dsml bench --device cpu`, and, when torch
-with CUDA is installed, torch.distributed's Gloo backend on CUDA tensors, timed the same
-way (a call ends when the result is back on the GPU). Prints busbw and the ratios
-cupy/numpy (the cost of staging through host memory) and cupy/Gloo. Needs cupy and a GPU:
+`dsml bench --device cuda` under both places of reduction (`--gpu-reduce host`, the
+default, and `device`), one run of `dsml bench --device cpu`, and, when torch with CUDA is
+installed, torch.distributed's Gloo backend on CUDA tensors, timed the same way (a call
+ends when the result is back on the GPU). Prints busbw and the ratios cupy/numpy (the cost
+of staging through host memory, default cupy path) and cupy/Gloo. Needs cupy and a GPU:
 without them it says so and exits with status 2. Benchmarks are not tests.
 """
 
@@ -41,8 +42,19 @@ def gpu_count() -> int:
     return count
 
 
-def bench(n: int, sizes: str, device: str) -> list[dict[str, Any]]:
-    out = dsml("bench", "-n", str(n), "--sizes", sizes, "--device", device, "--json")
+def bench(n: int, sizes: str, device: str, gpu_reduce: str = "host") -> list[dict[str, Any]]:
+    out = dsml(
+        "bench",
+        "-n",
+        str(n),
+        "--sizes",
+        sizes,
+        "--device",
+        device,
+        "--gpu-reduce",
+        gpu_reduce,
+        "--json",
+    )
     return json.loads(out[out.index("[") :])  # type: ignore[no-any-return]
 
 
@@ -81,25 +93,28 @@ def main() -> None:
     results = []
     for n in (int(r) for r in args.ranks.split(",")):
         cupy_rows = bench(n, args.sizes, "cuda")
+        device_rows = bench(n, args.sizes, "cuda", "device")
         numpy_rows = bench(n, args.sizes, "cpu")
         gloo_rows = gloo_cuda(n, sorted({r["bytes"] for r in cupy_rows}))
-        results.append((n, cupy_rows, numpy_rows, gloo_rows))
+        results.append((n, cupy_rows, device_rows, numpy_rows, gloo_rows))
     if args.json:
-        keys = ("ranks", "cupy", "numpy", "gloo_cuda")
+        keys = ("ranks", "cupy", "cupy_device", "numpy", "gloo_cuda")
         print(json.dumps([dict(zip(keys, r, strict=True)) for r in results], indent=2))
         return
     print(f"# float32 sum, {gpus} GPU(s); busbw in GB/s; ratios of busbw")
+    print("# cupy: gpu_reduce=host (the default); on-gpu: gpu_reduce=device")
     print(
-        f"# {'ranks':>5} {'bytes':>10} {'cupy':>8} {'numpy':>8} {'gloo':>8} "
+        f"# {'ranks':>5} {'bytes':>10} {'cupy':>8} {'on-gpu':>8} {'numpy':>8} {'gloo':>8} "
         f"{'cupy/np':>8} {'cupy/gloo':>9}"
     )
-    for n, cupy_rows, numpy_rows, gloo_rows in results:
+    for n, cupy_rows, device_rows, numpy_rows, gloo_rows in results:
         by_size = {r["bytes"]: r for r in numpy_rows}
+        on_gpu = {r["bytes"]: r for r in device_rows}
         gloo = {r["bytes"]: r for r in gloo_rows}
         for r in cupy_rows:
-            g, c = gloo.get(r["bytes"]), by_size.get(r["bytes"])
+            g, c, d = gloo.get(r["bytes"]), by_size.get(r["bytes"]), on_gpu.get(r["bytes"])
             print(
-                f"  {n:>5} {r['bytes']:>10} {busbw(r)} {busbw(c)} {busbw(g)} "
+                f"  {n:>5} {r['bytes']:>10} {busbw(r)} {busbw(d)} {busbw(c)} {busbw(g)} "
                 f"{ratio(r, c)} {ratio(r, g):>9}"
             )
 

@@ -141,11 +141,13 @@ def test_import_dsml_never_imports_cupy():
 
 @pytest.mark.multiprocess
 def test_run_with_cuda_and_no_cupy_fails_at_once_with_the_install_line():
-    result = _dsml("run", "--device", "cuda", "-n", "2", str(SCRIPTS / "show_env.py"))
+    # cupy is hidden, so this also holds on a GPU machine that has it (it failed there)
+    env = {"PYTHONPATH": os.pathsep.join([str(SCRIPTS / "no_cupy"), str(ROOT)])}
+    result = _dsml("run", "--device", "cuda", "-n", "2", str(SCRIPTS / "show_env.py"), env=env)
     assert result.returncode == 2
     assert "dsml run:" in result.stderr
-    assert 'pip install "dsml[gpu]"' in result.stderr or "no CUDA GPU" in result.stderr
-    bench = _dsml("bench", "--device", "cuda", "-n", "2", "--sizes", "4K")
+    assert 'pip install "dsml[gpu]"' in result.stderr
+    bench = _dsml("bench", "--device", "cuda", "-n", "2", "--sizes", "4K", env=env)
     assert bench.returncode == 2
     assert "dsml bench:" in bench.stderr
 
@@ -161,3 +163,16 @@ def test_run_with_cuda_gives_rank_i_gpu_i_modulo_the_gpu_count():
         assert row["DSML_DEVICE"] == "cuda"
         assert row["LOCAL_RANK"] == row["DSML_LOCAL_RANK"] == str(rank)
         assert row["comm_device"] == f"cuda:{rank % 2}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_bench_on_cuda_reduces_where_gpu_reduce_says_and_labels_it(place):
+    env = {"PYTHONPATH": os.pathsep.join([str(FAKES), str(ROOT)])}
+    args = ("bench", "--device", "cuda", "-n", "2", "--sizes", "4K", "--iters", "3")
+    result = _dsml(*args, "--gpu-reduce", place, "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["device"], r["gpu_reduce"]) for r in rows] == [("cuda:0", place)]
+    table = _dsml(*args, "--gpu-reduce", place, env=env)
+    assert f"device=cuda gpu_reduce={place}" in table.stdout.splitlines()[0]

@@ -57,6 +57,13 @@ def add_parser(sub: Any) -> None:
         default="cpu",
         help="cpu (numpy arrays) or cuda (cupy arrays, rank i on GPU i modulo the GPU count)",
     )
+    parser.add_argument(
+        "--gpu-reduce",
+        default="host",
+        choices=("host", "device"),
+        help="with --device cuda: reduce in pinned host memory or with cupy kernels on the "
+        "GPU (CommConfig.gpu_reduce; default: %(default)s)",
+    )
     parser.add_argument("--registry", help="an existing registry (default: embedded)")
     parser.add_argument(
         "--cpu-bind",
@@ -101,6 +108,8 @@ def _main(args: argparse.Namespace) -> int:
         args.dtype,
         "--iters",
         str(args.iters),
+        "--gpu-reduce",
+        args.gpu_reduce,
     ]
     rows: list[dict[str, Any]] = []
 
@@ -113,7 +122,9 @@ def _main(args: argparse.Namespace) -> int:
             print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
 
     if not args.json:
-        print(header(args.nprocs, args.op, args.dtype, device or "cpu"), flush=True)
+        cuda = device is not None and device != "cpu"
+        label = f"{device} gpu_reduce={args.gpu_reduce}" if cuda else (device or "cpu")
+        print(header(args.nprocs, args.op, args.dtype, label), flush=True)
     code = asyncio.run(
         launch(
             argv,

@@ -99,7 +99,8 @@ def row(
 
 async def main(args: argparse.Namespace) -> None:
     dtype = DTYPES[args.dtype]
-    async with dsml.init() as comm:
+    config = dsml.CommConfig(gpu_reduce=args.gpu_reduce)
+    async with dsml.init(config=config) as comm:
         for nbytes in args.sizes:
             for algorithm in args.algorithms:
                 iters = args.iters or iterations(nbytes)
@@ -107,6 +108,8 @@ async def main(args: argparse.Namespace) -> None:
                 if comm.rank == 0:
                     result = row(nbytes, comm.world_size, algorithm, args.op, times, chosen)
                     result["device"] = comm.device
+                    if comm.device != "cpu":
+                        result["gpu_reduce"] = comm.config.gpu_reduce
                     print(ROW_PREFIX + json.dumps(result), flush=True)
 
 
@@ -117,6 +120,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--op", default="sum")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--iters", type=int, default=0)
+    parser.add_argument("--gpu-reduce", default="host", choices=("host", "device"))
     return parser.parse_args(argv)
 
 

@@ -50,6 +50,13 @@ class ndarray:  # cupy's name
     def reshape(self, *shape: Any) -> ndarray:
         return ndarray(self._a.reshape(*shape), self.device.id)
 
+    def __itruediv__(self, value: Any) -> ndarray:
+        self._a /= value
+        return self
+
+    def view(self, dtype: Any) -> ndarray:
+        return ndarray(self._a.view(dtype), self.device.id)
+
     def __getitem__(self, key: Any) -> ndarray:
         return ndarray(self._a[key], self.device.id)
 
@@ -88,6 +95,19 @@ def empty(shape: Any, dtype: Any = float) -> ndarray:
 
 def zeros(shape: Any, dtype: Any = float) -> ndarray:
     return ndarray(np.zeros(shape, dtype=dtype))
+
+
+def _ufunc(name: str) -> Any:
+    """cupy's elementwise function `name` (used by gpu_reduce="device"), on the arrays' numpy."""
+
+    def apply(a: ndarray, b: ndarray, out: ndarray | None = None) -> ndarray:
+        result = getattr(np, name)(a._a, b._a, out=None if out is None else out._a)
+        return out if out is not None else ndarray(result, a.device.id)
+
+    return apply
+
+
+add, multiply, minimum, maximum = (_ufunc(n) for n in ("add", "multiply", "minimum", "maximum"))
 
 
 def _device_count() -> int:
