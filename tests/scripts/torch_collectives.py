@@ -1,5 +1,9 @@
 """Every torch.distributed call on backend "dsml", checked against values every rank can
-compute (started by `dsml run` or torchrun). Prints "ok" on success."""
+compute (started by `dsml run` or torchrun). Prints "ok" on success. With the argument
+"cuda", every tensor is on GPU `LOCAL_RANK % count` (through cupy; no bfloat16 there)."""
+
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -7,6 +11,10 @@ import torch.distributed as dist
 import dsml.torch  # noqa: F401 (registers the backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8]
+if sys.argv[1:] == ["cuda"]:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.set_default_device("cuda")  # every tensor below, results and outputs included
+    DTYPES.remove(torch.bfloat16)  # cupy has no bfloat16: refused with a ConfigError
 
 
 def value(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """DDP on backend "dsml" and on "gloo", side by side in the same processes, from the same
-seed for 20 steps; rank 0 prints the largest parameter difference as JSON."""
+seed for 20 steps; rank 0 prints the largest parameter difference as JSON. Arguments:
+steps (20), then "cuda" to train on GPU `LOCAL_RANK % count` (gloo takes CUDA tensors too)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -11,6 +13,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dsml.torch  # noqa: F401 (registers the backend)
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+DEVICE = torch.device("cpu")
+if sys.argv[2:] == ["cuda"]:
+    DEVICE = torch.device(
+        "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    )
+    torch.cuda.set_device(DEVICE)
 
 dist.init_process_group("dsml")
 rank, size = dist.get_rank(), dist.get_world_size()
@@ -23,16 +31,17 @@ def model() -> torch.nn.Module:
 
 
 def train(group) -> list[torch.Tensor]:
-    ddp = DDP(model(), process_group=group, bucket_cap_mb=0.01)  # several buckets
+    ddp = DDP(model().to(DEVICE), process_group=group, bucket_cap_mb=0.01)  # several buckets
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         x = torch.randn(16, 64, generator=data)
         y = torch.randint(0, 10, (16,), generator=data)
+        x, y = x.to(DEVICE), y.to(DEVICE)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-    return [p.detach().clone() for p in ddp.parameters()]
+    return [p.detach().cpu().clone() for p in ddp.parameters()]
 
 
 with_dsml, with_gloo = train(None), train(gloo)
