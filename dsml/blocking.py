@@ -23,6 +23,7 @@ The loop thread and the `Handle` of an operation started on it live in blocking_
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -190,7 +191,15 @@ class BlockingCommunicator:
         # Started from this thread: the communicator hands the start to its loop and
         # returns once the call has its collective id (program order), raising bad
         # arguments here; the result is then awaited on the loop.
-        handle = self._loop.start(start(self._comm), what)
+        if _loop_running_here():
+            # A thread with an event loop of its own running (a Jupyter cell, a coroutine):
+            # the communicator refuses calls from a foreign loop, so the start itself is
+            # handed over, with this thread's context (an engine op's mark) as on_loop does.
+            context = contextvars.copy_context()
+            started = self._loop.call(lambda: context.run(start, self._comm))
+            handle = self._loop.start(started, what)
+        else:
+            handle = self._loop.start(start(self._comm), what)
         return handle if async_op else handle.wait()
 
     # -- the dependency engine --------------------------------------------------------------
@@ -241,6 +250,14 @@ class BlockingCommunicator:
         return f"<BlockingCommunicator {self._comm!r}{state}>"
 
 
+def _loop_running_here() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class BlockingEngine:
     """The communicator's dependency engine, used from a synchronous thread.
 
@@ -269,18 +286,39 @@ class BlockingEngine:
         read: Iterable[Var] = (),
         mutate: Iterable[Var] = (),
         name: str | None = None,
+        *,
+        always_run: bool = False,
     ) -> Handle[Any]:
-        """Schedule `fn` after the ops it depends on (see `dsml.Engine.push`)."""
-        op = self._loop.call(lambda: self._engine.push(fn, read, mutate, name))
-        return self._loop.start(op, f"engine op {op.name!r}")
+        """Schedule `fn` after the ops it depends on (see `dsml.Engine.push`).
+
+        Cancelling the handle (or Ctrl-C while waiting on it) cancels the op in the
+        engine, as `OpHandle.cancel` does, not only the wait.
+        """
+        op = self._loop.call(
+            lambda: self._engine.push(fn, read, mutate, name, always_run=always_run)
+        )
+        return self._loop.start(op, f"engine op {op.name!r}", op.cancel)
 
     def push_all_reduce(
         self, tagged: Tagged[Array], op: Any = "sum", *, read: Iterable[Var] = (), **options: Any
     ) -> Handle[Any]:
-        """Push an all_reduce of `tagged.data` (see `Communicator.push_all_reduce`)."""
+        """Push an all_reduce of `tagged.data` (see `Communicator.push_all_reduce`);
+        cancelling the handle cancels the collective on every rank."""
         comm = self._comm.async_comm
         pushed = self._loop.call(lambda: comm.push_all_reduce(tagged, op, read=read, **options))
-        return self._loop.start(pushed, f"all_reduce({tagged.var.name})")
+        return self._loop.start(pushed, f"all_reduce({tagged.var.name})", pushed.cancel)
+
+    def push_broadcast(
+        self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
+    ) -> Handle[Any]:
+        """Push a broadcast of `tagged.data` (see `Communicator.push_broadcast`)."""
+        comm = self._comm.async_comm
+        pushed = self._loop.call(lambda: comm.push_broadcast(tagged, root, timeout=timeout))
+        return self._loop.start(pushed, f"broadcast({tagged.var.name})", pushed.cancel)
+
+    def clear_error(self, var: Var) -> None:
+        """Clear `var`'s poison for the ops pushed after this call (`Engine.clear_error`)."""
+        self._loop.call(lambda: self._engine.clear_error(var))
 
     def wait_var(self, var: Var) -> None:
         """Block until every op pushed so far that touches `var` has finished."""

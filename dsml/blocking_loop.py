@@ -28,11 +28,17 @@ T = TypeVar("T")
 class Handle(Generic[T]):
     """An operation started on the communicator's loop; `wait()` gives its result."""
 
-    __slots__ = ("_future", "what")
+    __slots__ = ("_cancel", "_future", "what")
 
-    def __init__(self, future: concurrent.futures.Future[T], what: str) -> None:
+    def __init__(
+        self,
+        future: concurrent.futures.Future[T],
+        what: str,
+        cancel: Callable[[], bool] | None = None,
+    ) -> None:
         self._future = future
         self.what = what
+        self._cancel = cancel  # what cancelling means, when more than giving up the wait
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until the operation ends; return its result or raise its error.
@@ -61,6 +67,8 @@ class Handle(Generic[T]):
 
     def cancel(self) -> bool:
         """Cancel the operation; the peers of a cancelled collective fail instead of waiting."""
+        if self._cancel is not None and not self._future.done():
+            return self._cancel()  # an engine op: cancelled in the engine, which ends it
         return self._future.cancel()
 
     def __repr__(self) -> str:
@@ -91,10 +99,16 @@ class LoopThread:
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
 
-    def start(self, awaitable: Awaitable[T], what: str) -> Handle[T]:
-        """Await `awaitable` on the loop; return its handle at once."""
+    def start(
+        self, awaitable: Awaitable[T], what: str, cancel: Callable[[], bool] | None = None
+    ) -> Handle[T]:
+        """Await `awaitable` on the loop; return its handle at once. `cancel`, called on
+        the loop, replaces giving up the wait when the handle is cancelled (for an
+        awaitable that cancelling its waiter does not cancel, as an engine op)."""
         coro = awaitable if isinstance(awaitable, Coroutine) else _outcome(awaitable)
-        return Handle(asyncio.run_coroutine_threadsafe(coro, self.loop), what)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        on_loop = None if cancel is None else (lambda: self.call(cancel))
+        return Handle(future, what, on_loop)
 
     def run(self, awaitable: Awaitable[T], what: str) -> T:
         """Await `awaitable` on the loop and wait for it (Ctrl-C cancels it)."""

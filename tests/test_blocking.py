@@ -6,6 +6,7 @@ loop thread; the training loop and Ctrl-C run in real processes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -133,6 +134,43 @@ def test_the_engine_is_usable_from_a_blocking_communicator():
         return grad.data.tolist()
 
     assert on_ranks(2, body) == [[30.0, 30.0, 30.0]] * 2
+
+
+def test_collectives_work_from_a_thread_whose_own_event_loop_is_running():
+    """As in a Jupyter cell, or code called from a coroutine: the call blocks that loop
+    (it was refused as 'belongs to another event loop')."""
+
+    def body(comm: BlockingCommunicator) -> list[float]:
+        async def cell() -> list[float]:
+            x = comm.all_reduce(np.full(3, float(comm.rank + 1)))
+            comm.barrier()
+            handle = comm.all_reduce(np.ones(2), async_op=True)
+            return [*x.tolist(), *handle.wait(timeout=30).tolist()]
+
+        return asyncio.run(cell())
+
+    assert on_ranks(2, body) == [[3.0, 3.0, 3.0, 2.0, 2.0]] * 2
+
+
+def test_cancelling_a_blocking_engine_op_cancels_it_in_the_engine():
+    def body(comm: BlockingCommunicator) -> str:
+        engine = comm.engine
+        v = engine.new_var("v")
+        gate = threading.Event()
+        engine.push(gate.wait, mutate=[v])  # a pool thread, until released
+        ran: list[int] = []
+        later = engine.push(lambda: ran.append(1), mutate=[v])
+        assert later.cancel()  # pending: removed, never runs (it only stopped waiting)
+        gate.set()
+        engine.wait_all()
+        assert ran == []
+        failed = engine.push(lambda: 1 / 0, mutate=[v])
+        with pytest.raises(ZeroDivisionError):
+            failed.wait(timeout=30)
+        engine.clear_error(v)
+        return str(engine.push(lambda: "ok", read=[v]).wait(timeout=30))
+
+    assert on_ranks(1, body) == ["ok"]
 
 
 def test_close_joins_the_loop_thread_and_refuses_later_calls():

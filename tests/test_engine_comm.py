@@ -315,3 +315,60 @@ async def test_a_pushed_all_reduce_reduces_the_array_an_earlier_op_put_in_its_ta
 
         for result in await cluster.run(program):
             np.testing.assert_array_equal(result, np.full(4, 3.0))
+
+
+async def test_cancelling_a_pushed_all_reduce_cancels_the_collective_and_holds_its_var():
+    """The cancelled handle's var stays held while the collective may still use the data:
+    the peer fails instead of getting a sum of data overwritten meanwhile (it did)."""
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            a = engine.tag("a", np.full(4, float(comm.rank + 1)))
+            if comm.rank == 1:
+                await asyncio.sleep(0.5)  # arrives late: rank 0's collective is in flight
+                handle = comm.push_all_reduce(a)
+                with pytest.raises(CollectiveAbortedError):
+                    await handle
+                return a.data.copy()
+            handle = comm.push_all_reduce(a)
+            assert handle.cancel()  # before its completion op could start
+            seen = engine.push(lambda: a.data.copy(), read=[a.var])
+            engine.push(lambda: a.data.__setitem__(slice(None), 100.0), mutate=[a.var])
+            with pytest.raises(DependencyFailedError):
+                await seen  # ran only once the collective had ended, behind its poison
+            with pytest.raises(asyncio.CancelledError):
+                await handle
+            assert handle.cancelled()
+            with pytest.raises(DependencyFailedError):
+                await engine.wait_var(a.var)  # a cancelled op poisons its var, as documented
+            engine.clear_error(a.var)
+            return a.data.copy()
+
+        results = await cluster.run(program)
+        np.testing.assert_array_equal(results[1], np.full(4, 2.0))  # its input, intact
+        # and the next collective pairs up on both ranks
+        sums = await cluster.run(lambda c: c.all_reduce(np.ones(3)))
+        for s in sums:
+            np.testing.assert_array_equal(s, np.full(3, 2.0))
+
+
+async def test_a_pushed_all_reduce_takes_a_torch_tensor_an_earlier_op_put_in_its_tag():
+    torch = pytest.importorskip("torch")
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            t = engine.tag("t", torch.zeros(4))
+
+            def replace():
+                t.data = torch.full((4,), float(comm.rank + 1))
+
+            engine.push(replace, mutate=[t.var])
+            done = comm.push_all_reduce(t)
+            await engine.wait_all()
+            await done
+            return t.data
+
+        for result in await cluster.run(program):
+            assert torch.equal(result, torch.full((4,), 3.0))

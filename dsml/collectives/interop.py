@@ -236,6 +236,8 @@ def like(value: Any, original: Any) -> Any:
 
 def _convert(value: Any, library: str, original: Any) -> Any:
     """A result array (numpy or cupy, new memory) as the caller's library's array."""
+    if not is_native(value):  # converted already (a pushed collective whose data was
+        return value  # replaced by an earlier op: converted back for the new data)
     if library == "torch":
         return _to_torch(value, original)
     if library in ("jax", "jaxlib"):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from ..collectives.interop import with_native
 from ..engine import Engine, OpHandle, Tagged, Var, current_op
 from ..errors import CollectiveTimeoutError, ConfigError, DsmlError
 from .collective_handle import CollectiveHandle
@@ -73,7 +74,8 @@ class EngineLink:
         request: Request,
     ) -> OpHandle[Array]:
         """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
-        started: list[CollectiveHandle[Array] | BaseException] = []
+        started: list[Any] = []  # the collective's handle, or why it did not start
+        cancelled = False
         name = f"{request.collective}({tagged.var.name})"
         pushed = tagged.data  # (request.x may be its numpy view: see with_native)
 
@@ -84,11 +86,18 @@ class EngineLink:
                 started.append(op.blocked)
                 return
             try:
-                # An earlier op of the engine may have set the data since the push.
-                now = request if tagged.data is pushed else replace(request, x=tagged.data)
-                started.append(self._start(now))
+                if tagged.data is pushed:
+                    started.append(self._start(request))
+                else:  # an earlier op of the engine set the data since the push
+                    now = tagged.data
+                    started.append(
+                        with_native(now, True, lambda x: self._start(replace(request, x=x)))
+                    )
             except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 started.append(exc)
+                return
+            if cancelled:
+                started[0].cancel()
 
         async def complete() -> Array:
             outcome = started[0]
@@ -96,9 +105,22 @@ class EngineLink:
                 raise outcome
             return await outcome
 
+        def cancel() -> bool:
+            """Cancel the collective (issued or not yet), not the op: the op still waits
+            for it to end, so its var stays held while the collective may use the data."""
+            nonlocal cancelled
+            if cancelled:
+                return True
+            cancelled = True
+            if started and not isinstance(started[0], BaseException):
+                return bool(started[0].cancel())  # False: it had already ended
+            return True
+
         mutate = [tagged.var, self.var]
         self.engine.push(issue, read=read, mutate=mutate, name=f"issue {name}", always_run=True)
-        return self.engine.push(complete, mutate=[tagged.var], name=name)
+        handle = self.engine.push(complete, mutate=[tagged.var], name=name)
+        handle._cancel_hook = cancel
+        return handle
 
     # -- direct calls -----------------------------------------------------------------------
 

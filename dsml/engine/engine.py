@@ -192,6 +192,9 @@ class Engine(EngineBase):
             inherit(op)
             self._release(op)
             return
+        if op._always_run and op._is_coro and op._preds:  # for a cancel before its body runs
+            would = {v: p for v, pred in op._preds if (p := pred._poison_for(v)) is not None}
+            op._would_inherit = {v: p for v, p in would.items() if v in op._mutates}
         hit = first_poison(op)
         if hit is not None:
             var, poison = hit
@@ -312,8 +315,8 @@ class Engine(EngineBase):
         if not coroutine_not_started(task):
             return task.cancel()  # `_drive` records the outcome
         # `_drive` has not started: end the op here; `_drive` will only clean up.
-        if op._is_coro:  # its body never ran: like a pending op, it poisons nothing
-            op._inherited = {}
+        if op._is_coro:  # its body never ran: like a pending op, it poisons nothing new
+            op._inherited = op._would_inherit or {}
             self._record_outcome(op, Status.CANCELLED, None, None)
         else:  # its function ran in a pool thread and may have written: poison
             self._finish(op, None, asyncio.CancelledError(f"op {op.name!r} was cancelled"))

@@ -80,6 +80,7 @@ class OpHandle(Generic[T]):
 
     __slots__ = (
         "_always_run",
+        "_cancel_hook",
         "_dependents",
         "_fn",
         "_inherited",
@@ -97,6 +98,7 @@ class OpHandle(Generic[T]):
         "_t_push",
         "_task",
         "_value",
+        "_would_inherit",
         "blocked",
         "name",
         "seq",
@@ -131,6 +133,13 @@ class OpHandle(Generic[T]):
         self._node_waiters: list[Countdown] | None = None
         self._outcome_waiters: list[asyncio.Future[None]] | None = None
         self._always_run = False  # run even when a var it touches is poisoned
+        # Set by whoever pushed the op when cancelling must go through it (a pushed
+        # collective: cancel the collective, and let the op run to hold its var until the
+        # collective has ended); called instead of the engine's cancel while the op is open.
+        self._cancel_hook: Callable[[], bool] | None = None
+        # An always_run op started despite a poisoned var: what a cancellation before its
+        # body ran passes on (as a cancelled pending op does; see graph.inherit).
+        self._would_inherit: dict[Var, Poison] | None = None
         # For an always_run op that ran despite a poisoned var: the error it would have
         # failed with otherwise, so its function can act on it.
         self.blocked: BaseException | None = None
@@ -170,7 +179,15 @@ class OpHandle(Generic[T]):
         returned) gets its task cancelled and ends cancelled once the task has unwound,
         poisoning the vars it mutates (they may be half written). A plain function
         running in a pool thread cannot be interrupted: False.
+
+        A collective pushed through the communicator (`comm.push_all_reduce`, ...) is
+        cancelled as a collective is: the peers fail with `CollectiveAbortedError`, and the
+        op ends cancelled once the collective has ended on this rank, poisoning its var
+        (until then, later ops on that var wait, since the collective may still use it).
         """
+        hook = self._cancel_hook
+        if hook is not None and self._status in _OPEN:
+            return hook()
         return self._owner._cancel(self)
 
     def result(self) -> T:
