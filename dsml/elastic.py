@@ -1,7 +1,8 @@
 """Elastic training: state that survives members dying and joining (above the communicator).
 
 `State` holds a job's arrays (numpy) and small values (anything msgpack can carry: numbers,
-strings, lists, dicts) with a committed copy:
+strings, lists, dicts; map keys str, int, float, bool or None) with a committed copy. The
+names of State's own attributes (commit, commits, names, restore, sync) are refused:
 
     state = dsml.elastic.State(params=np.zeros(10), step=0)
     state.params += 1; state.step += 1
@@ -53,6 +54,8 @@ log = logging.getLogger("dsml.elastic")
 
 T = TypeVar("T")
 _MAX_HEADER = 16 << 20
+#: attribute names of State itself, refused as value names (they would be shadowed)
+_RESERVED = ("commit", "commits", "names", "restore", "sync")
 
 
 class BelowMinSizeError(DsmlError, TimeoutError):
@@ -80,9 +83,13 @@ class State:
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):
             raise ConfigError(f"State value names may not start with '_': {name!r}")
+        if name in _RESERVED:
+            raise ConfigError(
+                f"State value name {name!r} is taken by State itself ({', '.join(_RESERVED)})"
+            )
         if not isinstance(value, np.ndarray):
-            try:
-                msgpack.packb(value)
+            try:  # what sync sends must come back: map keys only str, int, float, bool, None
+                msgpack.unpackb(msgpack.packb(value), strict_map_key=False)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise ConfigError(
                     f"State value {name!r} must be a numpy array or msgpack-able (numbers, "
@@ -139,11 +146,16 @@ class State:
         else:
             raw = np.zeros(int(size[0]), dtype=np.uint8)
         await comm.broadcast(raw, root)
-        meta = msgpack.unpackb(raw.tobytes())
-        if meta["arrays"] != arrays:
+        meta = msgpack.unpackb(raw.tobytes(), strict_map_key=False)
+        # Every member learns whether any differs, so all raise together and no one goes
+        # on to broadcasts the others skip (which left the group out of step).
+        differs = np.array([int(meta["arrays"] != arrays)], dtype=np.int64)
+        await comm.all_reduce(differs, "max")
+        if differs[0]:
             raise ConfigError(
-                f"State.sync: rank {root} holds arrays {meta['arrays']} but rank {comm.rank} "
-                f"holds {arrays}: every member must create State with the same arrays"
+                f"State.sync: rank {root} holds arrays {meta['arrays']}; rank {comm.rank} "
+                f"holds {arrays} (some member differs): every member must create State "
+                "with the same arrays"
             )
         synced: dict[str, Any] = dict(meta["values"])
         for name in arrays:

@@ -79,6 +79,35 @@ async def test_sync_gives_every_member_the_committed_state_of_rank_0():
             assert s.step == 0
 
 
+def test_state_refuses_its_own_names_and_keeps_int_keyed_dicts():
+    for name in ("commits", "commit", "names", "restore", "sync"):
+        with pytest.raises(ConfigError, match="taken by State"):
+            State(**{name: 5})  # it was accepted and then shadowed (commits read 0)
+    state = State(counts={0: 1, 7: 2})
+    assert state.counts == {0: 1, 7: 2}
+
+
+async def test_sync_carries_dicts_with_int_keys():
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        states = [State(counts={r: r}, step=r) for r in range(2)]
+        await cluster.run(lambda c: states[c.rank].sync(c))  # unpacking them failed
+        assert [s.counts for s in states] == [{0: 0}, {0: 0}]
+
+
+async def test_sync_with_other_arrays_fails_on_every_member_and_the_group_goes_on():
+    async with open_local_cluster(2, config=CommConfig(timeout=10)) as cluster:
+        states = [State(w=np.zeros(2)), State(v=np.zeros(2))]
+        outcomes = await asyncio.gather(
+            *(states[r].sync(cluster[r]) for r in range(2)), return_exceptions=True
+        )
+        for outcome in outcomes:  # rank 0 waited for the timeout, then every call failed
+            assert isinstance(outcome, ConfigError), outcome
+            assert "same arrays" in str(outcome)
+        sums = await cluster.run(lambda c: c.all_reduce(np.ones(2)))
+        for result in sums:
+            np.testing.assert_array_equal(result, np.full(2, 2.0))
+
+
 async def test_an_elastic_run_survives_a_loss_and_a_joiner_and_matches_the_fault_free_run():
     steps = 40
     expected = reference(steps)
