@@ -44,7 +44,10 @@ class EngineBase(ABC):
         self._succeeded = 0
         self._failed = 0
         self._cancelled = 0
-        self._unreported: list[OpHandle[Any]] = []
+        #: failed ops whose error nobody has seen yet (by seq): wait_all raises the first;
+        #: seeing it through the op's handle (await, result, exception) also reports it,
+        #: so a loop that handles each op's error keeps nothing (and no traceback) here
+        self._unreported: dict[int, OpHandle[Any]] = {}
 
     # -- public ----------------------------------------------------------------------------
 
@@ -205,7 +208,7 @@ class EngineBase(ABC):
             self._succeeded += 1
         elif status is Status.FAILED:
             self._failed += 1
-            self._unreported.append(op)
+            self._unreported[op.seq] = op
         else:
             self._cancelled += 1
         op._poison = poison
@@ -213,9 +216,14 @@ class EngineBase(ABC):
 
     def _take_failure(self, before_seq: int) -> BaseException | None:
         """Forget unreported failures of ops pushed before `before_seq`; return the first."""
-        mine = [op for op in self._unreported if op.seq < before_seq]
+        mine = [op for seq, op in self._unreported.items() if seq < before_seq]
         if not mine:
             return None
-        self._unreported = [op for op in self._unreported if op.seq >= before_seq]
+        for op in mine:
+            del self._unreported[op.seq]
         first = min(mine, key=lambda op: op.seq)
         return first.exception()
+
+    def _observed(self, op: OpHandle[Any]) -> None:
+        """The op's error was seen through its handle: reported, no longer kept."""
+        self._unreported.pop(op.seq, None)

@@ -70,6 +70,8 @@ class Countdown:
 class _Owner(Protocol):
     def _cancel(self, op: OpHandle[Any]) -> bool: ...
 
+    def _observed(self, op: OpHandle[Any]) -> None: ...
+
 
 class OpHandle(Generic[T]):
     """Awaitable handle of one pushed op; `await handle` gives the op's result.
@@ -200,6 +202,7 @@ class OpHandle(Generic[T]):
         if status is Status.SUCCEEDED:
             return cast(T, self._value)
         if status is Status.FAILED:
+            self._owner._observed(self)  # reported here: wait_all need not raise it again
             raise cast(BaseException, self._value)
         if status is Status.CANCELLED:
             raise asyncio.CancelledError(f"op {self.name!r} was cancelled")
@@ -208,6 +211,7 @@ class OpHandle(Generic[T]):
     def exception(self) -> BaseException | None:
         """Return the op's error (None if it succeeded); raise like `result()` otherwise."""
         if self._status is Status.FAILED:
+            self._owner._observed(self)
             return cast(BaseException, self._value)
         self.result()
         return None

@@ -111,8 +111,7 @@ async def test_cancelling_a_running_coroutine_op_cancels_it_and_poisons_its_vars
     assert "'long'" in str(info.value)
     with pytest.raises(DependencyFailedError):
         await any_engine.wait_var(a)
-    with pytest.raises(DependencyFailedError):  # the reader's failure, not the cancellation
-        await any_engine.wait_all()
+    # The reader's failure was reported by awaiting it, and the cancellation is no failure
     await any_engine.wait_all()
 
 

@@ -85,8 +85,7 @@ async def test_handle_methods_follow_the_op_state(engine: Engine) -> None:
     assert bad.status == "failed"
     with pytest.raises(Boom):
         bad.result()
-    with pytest.raises(Boom):
-        await engine.wait_all()
+    await engine.wait_all()  # reported through its handle already: not raised again
 
 
 async def test_the_trace_file_has_one_event_per_op_phase_on_separate_tracks(
