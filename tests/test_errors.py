@@ -284,3 +284,20 @@ async def test_a_peer_told_of_rejected_gather_arguments_hears_only_what_differs(
     assert "(different dtype)" in messages[0], messages[0]
     assert "gather(object, shape=(*)" in messages[0]
     assert "dtype object is not supported" in messages[1]
+
+
+async def test_a_call_in_flight_when_its_communicator_closes_fails_with_a_typed_error():
+    """It ended in a bare CancelledError, which the awaiting task would take for its own
+    cancellation (a TaskGroup, asyncio.timeout)."""
+    async with open_local_cluster(2, config=dsml.CommConfig(timeout=10)) as cluster:
+        handle = cluster[0].all_reduce(np.ones(4))
+        await asyncio.sleep(0.05)  # rank 1 never calls: it waits
+        await cluster[0].aclose()
+        with pytest.raises(dsml.CollectiveAbortedError, match="closed while the call ran"):
+            await handle
+        # a caller's own cancel still gives CancelledError
+        h2 = cluster[1].all_reduce(np.ones(4))
+        await asyncio.sleep(0)
+        h2.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await h2

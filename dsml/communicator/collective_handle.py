@@ -6,6 +6,17 @@ import asyncio
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
+from ..errors import CollectiveAbortedError
+
+#: the message a call's task is cancelled with when its communicator closes
+CLOSED_WHILE_RUNNING = "the communicator was closed while the call ran"
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 __all__ = ["CollectiveHandle"]
 
 T = TypeVar("T")
@@ -28,7 +39,20 @@ class CollectiveHandle(Generic[T]):
         self.cid = cid
 
     def __await__(self) -> Generator[Any, None, T]:
-        return self._task.__await__()
+        try:
+            return (yield from self._task.__await__())
+        except asyncio.CancelledError as exc:
+            # Cancelled by comm.aclose() (not by the caller, nor its own task being
+            # cancelled): a typed error, not a CancelledError the awaiting task would
+            # pass for its own cancellation.
+            if exc.args[:1] != (CLOSED_WHILE_RUNNING,) or _cancelling():
+                raise
+            raise CollectiveAbortedError(
+                f"{self.collective} #{self.cid}: this communicator was closed while the "
+                "call ran (the peers are told)",
+                cid=self.cid,
+                collective=self.collective,
+            ) from None
 
     def done(self) -> bool:
         return self._task.done()
