@@ -83,10 +83,16 @@ class BlockingCommunicator:
         return self._loop.loop
 
     def statistics(self) -> dict[str, int]:
+        self._check_open("statistics")
         return self._loop.call(self._comm.statistics)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ConfigError(f"{what}: this communicator is closed")
 
     def wait_view_change(self, timeout: float | None = None) -> View:
         """Block until the registry announces a newer view; return it."""
+        self._check_open("wait_view_change")
         return self._loop.run(self._comm.wait_view_change(timeout), "wait_view_change")
 
     # -- collectives ------------------------------------------------------------------------
@@ -208,12 +214,14 @@ class BlockingCommunicator:
     def engine(self) -> BlockingEngine:
         """This rank's dependency engine, driven from this thread."""
         if self._engine is None:
+            self._check_open("engine")
             self._engine = BlockingEngine(self._loop.call(lambda: self._comm.engine), self)
         return self._engine
 
     @property
     def var(self) -> Var:
         """The var that orders collectives pushed through the engine."""
+        self._check_open("var")
         return self._loop.call(lambda: self._comm.var)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -272,6 +280,8 @@ class BlockingEngine:
 
     @property
     def _loop(self) -> LoopThread:
+        if self._comm._closed:  # its loop is gone: say so, not "Event loop is closed"
+            raise ConfigError("this communicator is closed: its engine is closed too")
         return self._comm._loop
 
     def new_var(self, name: str) -> Var:
@@ -322,7 +332,8 @@ class BlockingEngine:
 
     def wait_var(self, var: Var) -> None:
         """Block until every op pushed so far that touches `var` has finished."""
-        self._loop.run(self._engine.wait_var(var), f"wait_var({var.name})")
+        loop = self._loop
+        loop.run(self._engine.wait_var(var), f"wait_var({getattr(var, 'name', var)!r})")
 
     def wait_all(self) -> None:
         """Block until every op pushed so far has finished."""

@@ -176,14 +176,27 @@ def test_cancelling_a_blocking_engine_op_cancels_it_in_the_engine():
 def test_close_joins_the_loop_thread_and_refuses_later_calls():
     before = {t.ident for t in threading.enumerate()}
 
-    def body(comm: BlockingCommunicator) -> BlockingCommunicator:
-        comm.barrier()
-        return comm
+    def with_engine(comm: BlockingCommunicator) -> tuple[BlockingCommunicator, Any, Any]:
+        engine = comm.engine
+        v = engine.new_var("v")
+        with pytest.raises(dsml.ConfigError, match="must hold vars"):
+            engine.wait_var(None)  # type: ignore[arg-type]
+        return comm, engine, v
 
-    comms = on_ranks(2, body)
-    for comm in comms:
+    comms = on_ranks(2, with_engine)
+    for comm, engine, v in comms:
         with pytest.raises(dsml.ConfigError, match="closed"):
             comm.barrier()
+        # not "RuntimeError: Event loop is closed" with never-awaited coroutines
+        for call in (
+            lambda: engine.push(lambda: None),
+            lambda: engine.wait_all(),
+            lambda: engine.wait_var(v),
+            lambda: comm.var,
+            lambda: comm.statistics(),
+        ):
+            with pytest.raises(dsml.ConfigError, match="closed"):
+                call()
     left = [t for t in threading.enumerate() if t.ident not in before and t.name == "dsml-loop"]
     assert left == []
 

@@ -47,7 +47,12 @@ def split_vars(
 def _unique(owner: object, engine_name: str, what: str, vars_: Iterable[Var]) -> tuple[Var, ...]:
     if isinstance(vars_, Var):
         raise ConfigError(f"{what}= takes a list of vars, got the single var {vars_.name!r}")
-    items = tuple(vars_)
+    try:
+        items = tuple(vars_)
+    except TypeError:
+        raise ConfigError(
+            f"{what}= takes a list of vars, got {type(vars_).__name__} (use [] for none)"
+        ) from None
     for var in items:
         if not isinstance(var, Var):
             raise ConfigError(
@@ -91,6 +96,11 @@ def coroutine_not_started(task: asyncio.Future[Any]) -> bool:
 
 def check_callable(fn: object) -> None:
     """Raise ConfigError unless `fn` is callable (and say how to fix the usual slips)."""
+    if inspect.isasyncgenfunction(fn):  # calling it runs nothing: it would "succeed" idle
+        raise ConfigError(
+            f"push() needs a function or coroutine function, got the async generator "
+            f"function {getattr(fn, '__name__', fn)!r}; push a coroutine that iterates it"
+        )
     if callable(fn):
         return
     if inspect.iscoroutine(fn):

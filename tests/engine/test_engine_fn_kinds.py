@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Generator
+from collections.abc import AsyncIterator, Generator
 from typing import Any
 
+import pytest
+
 from dsml.engine import Engine
+from dsml.errors import ConfigError
 from tests.engine.helpers import thread_until, until
 
 
@@ -101,3 +104,16 @@ async def test_the_result_is_available_from_the_handle(engine: Engine) -> None:
     gate.set()
     assert await op == 42
     assert (op.done(), op.result(), op.exception()) == (True, 42, None)
+
+
+async def test_bad_var_lists_and_async_generator_functions_are_config_errors(
+    engine: Engine,
+) -> None:
+    with pytest.raises(ConfigError, match="list of vars"):
+        engine.push(lambda: None, read=None)  # type: ignore[arg-type]
+
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    with pytest.raises(ConfigError, match="async generator"):
+        engine.push(agen)  # calling it runs nothing: it "succeeded" without running
