@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar, overload
 
 from ..errors import ConfigError
+from .context import current_op
 from .handle import OpHandle, Poison, Status
 from .spec import check_callable, is_coroutine_fn, op_name, split_vars
 from .tagged import Tagged
@@ -187,6 +188,15 @@ class EngineBase(ABC):
         elif loop is not self._loop:
             raise RuntimeError(f"engine {self.name!r} belongs to another event loop")
         return loop
+
+    def _refuse_waiting_for_itself(self, what: str, ops: Iterable[OpHandle[Any]]) -> None:
+        """ConfigError when the op running here is among `ops`: it would wait forever."""
+        me = current_op()
+        if me is not None and me._owner is self and not me.done() and me in ops:
+            raise ConfigError(
+                f"op {me.name!r} called {what}, which waits for the op itself: it would "
+                "never return; wait outside the op, or push what comes after as an op"
+            )
 
     def _check_var(self, var: Var) -> None:
         split_vars(self, self.name, (var,), ())

@@ -110,6 +110,7 @@ class Engine(EngineBase):
         targets = list(var._readers)
         if var._writer is not None:
             targets.append(var._writer)
+        self._refuse_waiting_for_itself(f"wait_var({var.name!r})", targets)
         source = var._poison_src
         if targets:
             await self._wait_nodes(targets)
@@ -120,6 +121,7 @@ class Engine(EngineBase):
     async def wait_all(self) -> None:
         """Wait for every op pushed so far; raise the first unreported failure among them."""
         self._bind_loop()
+        self._refuse_waiting_for_itself("wait_all()", self._unfinished)
         before = self._seq
         if self._unfinished:
             await self._wait_nodes(list(self._unfinished))

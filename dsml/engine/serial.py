@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import EngineBase
+from .context import running
 from .handle import OpHandle, Poison, Status
 from .spec import coroutine_not_started, dependency_error
 from .var import Var
@@ -60,12 +61,14 @@ class SerialEngine(EngineBase):
     async def wait_var(self, var: Var) -> None:
         """Wait for the ops pushed so far; raise DependencyFailedError if `var` is poisoned."""
         self._check_var(var)
+        self._refuse_waiting_for_itself(f"wait_var({var.name!r})", self._running_op())
         error: BaseException | None = await self._probe(var)
         if error is not None:
             raise error
 
     async def wait_all(self) -> None:
         """Wait for the ops pushed so far; raise the first unreported failure among them."""
+        self._refuse_waiting_for_itself("wait_all()", self._running_op())
         error = await self._probe(None)
         if error is not None:
             raise error
@@ -139,10 +142,15 @@ class SerialEngine(EngineBase):
         finally:
             self._current = None
 
+    def _running_op(self) -> list[Op]:
+        """The op running now (one at a time here): any wait from inside it waits for it."""
+        return [] if self._current is None else [self._current]
+
     async def _call(self, op: Op) -> None:
         assert op._fn is not None
         try:
-            value = op._fn()
+            with running(op):  # current_op() is op inside it, as in the threaded engine
+                value = op._fn()
         except asyncio.CancelledError as exc:  # raised by the function itself: its outcome
             self._settle(op, Status.CANCELLED, exc, Poison(exc, op.name))
             return
@@ -152,7 +160,9 @@ class SerialEngine(EngineBase):
         if not inspect.isawaitable(value):
             self._settle(op, Status.SUCCEEDED, value, None)
             return
-        await self._await(op, asyncio.ensure_future(value))
+        with running(op):  # the task copies the context
+            task = asyncio.ensure_future(value)
+        await self._await(op, task)
 
     async def _await(self, op: Op, task: asyncio.Future[Any]) -> None:
         op._task = task

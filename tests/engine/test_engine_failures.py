@@ -117,8 +117,8 @@ async def test_a_failure_seen_through_its_handle_is_not_kept_or_raised_again(
     class Payload:
         data = bytearray(1 << 20)
 
-    def fail_holding(payload: Payload) -> None:
-        raise Boom("held")
+    async def fail_holding(payload: Payload) -> None:  # on the loop: no pool thread
+        raise Boom("held")  # that may still hold its work item when the test looks
 
     payload = Payload()
     ref = weakref.ref(payload)

@@ -117,3 +117,20 @@ async def test_bad_var_lists_and_async_generator_functions_are_config_errors(
 
     with pytest.raises(ConfigError, match="async generator"):
         engine.push(agen)  # calling it runs nothing: it "succeeded" without running
+
+
+async def test_an_op_that_waits_for_itself_gets_a_config_error_not_a_hang(
+    any_engine: Any,
+) -> None:
+    v, w = any_engine.new_var("v"), any_engine.new_var("w")
+
+    async def waits_for_all() -> None:
+        await any_engine.wait_all()
+
+    async def waits_for_its_var() -> None:
+        await any_engine.wait_var(w)
+
+    for fn, var in ((waits_for_all, v), (waits_for_its_var, w)):
+        op = any_engine.push(fn, mutate=[var])
+        with pytest.raises(ConfigError, match="waits for the op itself"):
+            await asyncio.wait_for(asyncio.shield(op), 5)  # it hung for good
