@@ -59,9 +59,11 @@ def _unique(owner: object, engine_name: str, what: str, vars_: Iterable[Var]) ->
                 f"{what}= must hold vars made by engine.new_var(), got {type(var).__name__}"
             )
         if var._owner is not owner:
+            same = " (another engine of the same name)" if var.engine_name == engine_name else ""
             raise ConfigError(
                 f"var {var.name!r} belongs to engine {var.engine_name!r}, not to engine "
-                f"{engine_name!r}; create vars with the new_var() of the engine you push to"
+                f"{engine_name!r}{same}; create vars with the new_var() of the engine you "
+                "push to"
             )
     return items if len(items) < 2 else tuple(dict.fromkeys(items))
 
