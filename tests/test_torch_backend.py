@@ -164,3 +164,12 @@ def test_the_ddp_example_trains_on_mnist_under_dsml_run():
     assert "2 ranks on backend 'dsml'" in result.stdout
     assert "MNIST" in result.stdout
     assert "done: 5 steps" in result.stdout
+
+
+def test_misuse_fails_on_every_rank_within_seconds_and_uneven_all_to_all_works():
+    """Uneven all_to_all_single where one rank's splits were equal hung; short or wrong
+    output lists returned truncated data; dtypes were cast; a check on one rank left the
+    others waiting; after a member left, calls ran in a smaller, renumbered group."""
+    result = dsml_run(3, "torch_bad_input.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split().count("ok") == 3, result.stdout

@@ -11,8 +11,15 @@ through cupy.
 Mapping of torch's calls onto dsml's collectives (inputs flattened where torch's layout is
 a list of equal parts): allreduce -> all_reduce; broadcast; reduce; allgather and
 all_gather_single -> all_gather; gather; scatter; reduce_scatter(_single) ->
-reduce_scatter; alltoall(_single) with equal parts -> all_to_all, with uneven split sizes
--> send/recv to each peer; barrier; send; recv.
+reduce_scatter; alltoall -> an all_gather of the part sizes and an all_to_all of the parts
+padded to the longest (all_to_all_single without split sizes -> all_to_all); barrier;
+send; recv.
+
+Arguments that are wrong on one rank only (an output of the wrong size, unequal parts)
+raise ValueError there after taking the call's turn with a barrier, which the peers'
+calls do not match: they fail at once with a mismatch instead of waiting for their
+timeout. A group whose dsml view changed (a member left or was lost) refuses every
+later call: torch groups keep their size and ranks.
 
 The helpers that map torch's arguments onto dsml's calls are in mapping.py; how a group
 finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py.
@@ -30,16 +37,19 @@ import torch.distributed as dist
 
 from ..blocking import BlockingCommunicator
 from ..communicator import Communicator
+from ..errors import MembershipChangedError
 from .mapping import (
     Tensors,
     _all,
-    _check_equal,
     _copy_into,
     _exchange,
     _flat,
+    _gather_outputs_wrong,
     _op_name,
     _reduce_op,
+    _refuse,
     _split_into,
+    _unequal,
 )
 from .work import DsmlWork
 
@@ -146,7 +156,11 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def allgather(self, outputs: list[Tensors], inputs: Tensors, opts: Any = None) -> DsmlWork:
         timeout = self._timeout(opts)
 
+        wrong = _gather_outputs_wrong(self.size(), outputs, inputs)
+
         async def run(comm: Communicator) -> list[Tensors]:
+            if wrong:
+                await _refuse(comm, len(inputs), ValueError(f"allgather: {wrong}"))
             handles = [comm.all_gather(_flat(x), timeout=timeout) for x in inputs]
             for parts, gathered in zip(outputs, await _all(handles), strict=True):
                 _split_into(parts, gathered)
@@ -166,7 +180,11 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     ) -> DsmlWork:
         timeout = self._timeout(opts)
 
+        wrong = _gather_outputs_wrong(self.size(), [[o] for o in outputs], inputs, whole=True)
+
         async def run(comm: Communicator) -> Tensors:
+            if wrong:
+                await _refuse(comm, len(inputs), ValueError(f"all_gather_into_tensor: {wrong}"))
             handles = [comm.all_gather(_flat(x), timeout=timeout) for x in inputs]
             for out, gathered in zip(outputs, await _all(handles), strict=True):
                 _copy_into(out, gathered)
@@ -184,7 +202,13 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def gather(self, outputs: list[Tensors], inputs: Tensors, opts: Any = None) -> DsmlWork:
         root, timeout = opts.rootRank, self._timeout(opts)
 
+        wrong = ""
+        if self.rank() == root:
+            wrong = _gather_outputs_wrong(self.size(), outputs, inputs)
+
         async def run(comm: Communicator) -> list[Tensors]:
+            if wrong:
+                await _refuse(comm, 1, ValueError(f"gather: {wrong}"))
             gathered = await comm.gather(_flat(inputs[0]), root, timeout=timeout)
             if gathered is not None:
                 _split_into(outputs[0], gathered)
@@ -195,10 +219,11 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def scatter(self, outputs: Tensors, inputs: list[Tensors], opts: Any = None) -> DsmlWork:
         root, timeout = opts.rootRank, self._timeout(opts)
         parts = inputs[0] if inputs else None
-        if parts is not None:
-            _check_equal("scatter", parts)
+        wrong = _unequal("scatter", parts, self.size()) if parts is not None else ""
 
         async def run(comm: Communicator) -> Tensors:
+            if wrong:
+                await _refuse(comm, 1, ValueError(wrong))
             whole = torch.cat([_flat(p) for p in parts]) if parts is not None else None
             mine = await comm.scatter(whole, root, timeout=timeout)
             _copy_into(outputs[0], mine)
@@ -209,10 +234,9 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     # -- reduce-scatter and all-to-all --------------------------------------------------------
 
     def reduce_scatter(self, outputs: Tensors, inputs: list[Tensors], opts: Any = None) -> DsmlWork:
-        for parts in inputs:
-            _check_equal("reduce_scatter", parts)
+        wrong = next(filter(None, (_unequal("reduce_scatter", p, self.size()) for p in inputs)), "")
         wholes = [torch.cat([_flat(p) for p in parts]) for parts in inputs]
-        return self._reduce_scatter("reduce_scatter", outputs, wholes, opts)
+        return self._reduce_scatter("reduce_scatter", outputs, wholes, opts, wrong)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -229,16 +253,22 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def _reduce_scatter(self, what: str, outputs: Tensors, wholes: Tensors, opts: Any) -> DsmlWork:
+    def _reduce_scatter(
+        self, what: str, outputs: Tensors, wholes: Tensors, opts: Any, wrong: str = ""
+    ) -> DsmlWork:
         op, timeout = _op_name(opts.reduceOp), self._timeout(opts)
         for out, whole in zip(outputs, wholes, strict=True):
-            if whole.numel() != out.numel() * self.size():
-                raise ValueError(
+            if not wrong and whole.numel() != out.numel() * self.size():
+                wrong = (
                     f"{what}: the input has {whole.numel()} elements; it needs world size "
                     f"({self.size()}) x the output's {out.numel()}"
                 )
+            if not wrong and whole.dtype != out.dtype:
+                wrong = f"{what}: the output is {out.dtype}, the input {whole.dtype}"
 
         async def run(comm: Communicator) -> Tensors:
+            if wrong:
+                await _refuse(comm, len(wholes), ValueError(wrong))
             handles = [comm.reduce_scatter(w, op, timeout=timeout) for w in wholes]
             for out, mine in zip(outputs, await _all(handles), strict=True):
                 _copy_into(out, mine)
@@ -248,22 +278,14 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
     def alltoall(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> DsmlWork:
         timeout = self._timeout(opts)
-        sizes_in = [t.numel() for t in inputs]
-        sizes_out = [t.numel() for t in outputs]
-        if len(set(sizes_in)) == 1 and sizes_in == sizes_out:
 
-            async def even(comm: Communicator) -> Tensors:
-                whole = torch.cat([_flat(t) for t in inputs])
-                _split_into(outputs, await comm.all_to_all(whole, timeout=timeout))
-                return outputs
-
-            return self._start("alltoall", even)
-
-        async def uneven(comm: Communicator) -> Tensors:
+        async def run(comm: Communicator) -> Tensors:
+            # Always the same two collectives, whatever this rank's sizes: choosing by them
+            # (equal parts: one all_to_all) let ranks take different paths and hang.
             await _exchange(comm, [_flat(t) for t in inputs], outputs, timeout)
             return outputs
 
-        return self._start("alltoall", uneven)
+        return self._start("alltoall", run)
 
     def all_to_all_single(
         self,
@@ -273,22 +295,33 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         input_split_sizes: Sequence[int],
         opts: Any = None,
     ) -> DsmlWork:
-        size = self.size()
+        size, timeout = self.size(), self._timeout(opts)
         if not output_split_sizes and not input_split_sizes:
-            timeout = self._timeout(opts)
-
-            async def even(comm: Communicator) -> Tensors:
-                _copy_into(output, await comm.all_to_all(_flat(input), timeout=timeout))
-                return [output]
-
+            wrong = ""
             if input.shape[0] % size:
-                raise ValueError(
+                wrong = (
                     f"all_to_all_single: dim 0 ({input.shape[0]}) must divide by the world "
                     f"size ({size}) when no split sizes are given"
                 )
+
+            async def even(comm: Communicator) -> Tensors:
+                if wrong:
+                    await _refuse(comm, 1, ValueError(wrong))
+                _copy_into(output, await comm.all_to_all(_flat(input), timeout=timeout))
+                return [output]
+
             return self._start("all_to_all_single", even)
-        ins = list(torch.split(input, list(input_split_sizes) or input.shape[0] // size))
-        outs = list(torch.split(output, list(output_split_sizes) or output.shape[0] // size))
+        try:
+            ins = list(torch.split(input, list(input_split_sizes) or input.shape[0] // size))
+            outs = list(torch.split(output, list(output_split_sizes) or output.shape[0] // size))
+        except RuntimeError as exc:  # split sizes that do not add up to the tensor
+            error = ValueError(f"all_to_all_single: {exc}")
+
+            async def refused(comm: Communicator) -> Tensors:
+                await _refuse(comm, 1, error)
+                return []
+
+            return self._start("all_to_all_single", refused)
         return self.alltoall(outs, ins, opts)
 
     alltoall_base = all_to_all_single
@@ -335,5 +368,19 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     ) -> DsmlWork:
         """Run `run(comm)` on the loop thread (started in call order); its Work now."""
         comm = self.comm.async_comm
-        future = asyncio.run_coroutine_threadsafe(run(comm), self.comm.loop)
+        size, rank = self.size(), self.rank()
+
+        async def checked(comm: Communicator) -> Any:
+            if comm.world_size != size or comm.rank != rank:
+                raise MembershipChangedError(
+                    f"this torch process group has {size} ranks (this is rank {rank}), but "
+                    f"its dsml group now has {comm.world_size} (this is rank {comm.rank}): a "
+                    "member left or was lost. torch groups keep their size: destroy and "
+                    "re-create the process group (or train with dsml.elastic)",
+                    rank=comm.rank,
+                    epoch=comm.epoch,
+                )
+            return await run(comm)
+
+        future = asyncio.run_coroutine_threadsafe(checked(comm), self.comm.loop)
         return DsmlWork(future, what)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -88,22 +89,29 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
             raise dist.DistBackendError(
                 f"dsml {self._what} did not finish within {seconds} s"
             ) from None
+        self._settle()
         error = self._error()
         if error is not None:
             raise error
         return True
 
+    def _settle(self) -> None:
+        """Wait for the torch future too: the loop thread completes it just after the call
+        ends, so right after wait() it was often still pending (and value() asserted)."""
+        with contextlib.suppress(Exception):  # its error is the call's: _error() has it
+            self._torch_future.wait()
+
     def get_future(self) -> torch.futures.Future[Any]:
         return self._torch_future
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return bool(self._torch_future.done())  # done only once the call has ended
 
     def is_success(self) -> bool:
-        return self._future.done() and self._error() is None
+        return self.is_completed() and self._error() is None
 
     def exception(self) -> BaseException | None:
-        return self._error() if self._future.done() else None
+        return self._error() if self.is_completed() else None
 
     def __repr__(self) -> str:
         return f"<DsmlWork {self._what} {'done' if self._future.done() else 'running'}>"
