@@ -4,15 +4,13 @@ CUDA and cupy; skipped otherwise): every collective, and DDP on the GPU against 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install dsml[torch])")
 pytest.importorskip("cupy", reason='cupy is not installed (pip install "dsml[gpu]")')
+
+from tests.test_torch_backend import dsml_run  # noqa: E402 (after the skips)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,20 +18,6 @@ pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU"),
 ]
-
-ROOT = Path(__file__).resolve().parent.parent.parent
-SCRIPTS = ROOT / "tests" / "scripts"
-
-
-def dsml_run(n: int, script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dsml", "run", "-n", str(n), str(SCRIPTS / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
 
 
 def test_every_collective_works_on_cuda_tensors():
