@@ -194,7 +194,7 @@ class Engine(EngineBase):
             inherit(op)
             self._release(op)
             return
-        if op._always_run and op._is_coro and op._preds:  # for a cancel before its body runs
+        if op._always_run and op._preds:  # for a cancel before its body runs
             would = {v: p for v, pred in op._preds if (p := pred._poison_for(v)) is not None}
             op._would_inherit = {v: p for v, p in would.items() if v in op._mutates}
         hit = first_poison(op)
@@ -229,7 +229,7 @@ class Engine(EngineBase):
         if pool is None or inbox is None:
             pool, inbox = self._open_pool()
         try:
-            pool.submit(self._run_in_pool, op, op._fn, inbox)
+            op._queued = pool.submit(self._run_in_pool, op, op._fn, inbox)
         except RuntimeError as exc:  # the interpreter is shutting down
             self._finish(op, None, exc)
 
@@ -254,6 +254,7 @@ class Engine(EngineBase):
 
     def _pool_returned(self, item: _PoolResult) -> None:
         op, value, error, start, end, thread = item
+        op._queued = None
         awaits = error is None and inspect.isawaitable(value)
         if self._tracer is not None:
             outcome = "returned an awaitable" if awaits else _outcome_name(error)
@@ -311,6 +312,14 @@ class Engine(EngineBase):
         if op._status is Status.PENDING:
             self._record_outcome(op, Status.CANCELLED, None, None)
             return True  # stays in the graph as a barrier until `_start` reaches it
+        queued = op._queued
+        if op._status is Status.RUNNING and queued is not None and queued.cancel():
+            # still waiting for a pool thread: its function never ran, as a pending op
+            op._queued = None
+            op._inherited = op._would_inherit or {}
+            self._record_outcome(op, Status.CANCELLED, None, None)
+            self._release(op)
+            return True
         task = op._task
         if op._status is not Status.RUNNING or task is None or task.done():
             return False  # finished, or a plain function inside a pool thread

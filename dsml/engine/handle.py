@@ -17,6 +17,7 @@ Two notions of "finished" live here and must not be confused:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class OpHandle(Generic[T]):
         "_owner",
         "_poison",
         "_preds",
+        "_queued",
         "_reads",
         "_status",
         "_t_push",
@@ -131,6 +133,9 @@ class OpHandle(Generic[T]):
         self._dependents: list[OpHandle[Any]] = []
         self._preds: list[tuple[Var, OpHandle[Any]]] = []
         self._task: asyncio.Future[Any] | None = None
+        # A plain function handed to the pool: its executor future, cancellable while the
+        # function waits for a free thread (the op counts as running from the hand-over).
+        self._queued: concurrent.futures.Future[Any] | None = None
         self._node_done = False
         self._node_waiters: list[Countdown] | None = None
         self._outcome_waiters: list[asyncio.Future[None]] | None = None
@@ -180,7 +185,8 @@ class OpHandle(Generic[T]):
         running on the event loop (a coroutine, or the awaitable a plain function
         returned) gets its task cancelled and ends cancelled once the task has unwound,
         poisoning the vars it mutates (they may be half written). A plain function
-        running in a pool thread cannot be interrupted: False.
+        running in a pool thread cannot be interrupted: False; one still waiting for a
+        free pool thread is removed like a pending op.
 
         A collective pushed through the communicator (`comm.push_all_reduce`, ...) is
         cancelled as a collective is: the peers fail with `CollectiveAbortedError`, and the

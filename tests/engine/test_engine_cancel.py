@@ -191,3 +191,23 @@ async def test_leaving_async_with_on_an_error_cancels_pending_ops() -> None:
 
 async def _await(op: asyncio.Future[str] | object) -> object:
     return await op  # type: ignore[misc]
+
+
+async def test_a_plain_function_waiting_for_a_free_pool_thread_can_be_cancelled() -> None:
+    """With every pool thread busy, a queued op said 'running' and cancel() gave False."""
+    engine = Engine(max_workers=1, name="one-thread")
+    try:
+        gate = threading.Event()
+        busy = engine.push(gate.wait)
+        ran: list[int] = []
+        queued = engine.push(lambda: ran.append(1))
+        await asyncio.sleep(0.05)  # both handed to the pool; the second waits for a thread
+        assert queued.cancel() is True
+        assert queued.cancelled()
+        gate.set()
+        await busy
+        await engine.wait_all()
+        assert ran == []
+    finally:
+        gate.set()
+        await engine.aclose()
