@@ -197,7 +197,7 @@ class BlockingCommunicator:
         # Started from this thread: the communicator hands the start to its loop and
         # returns once the call has its collective id (program order), raising bad
         # arguments here; the result is then awaited on the loop.
-        if _loop_running_here():
+        if _foreign_loop_running(self._loop.loop):
             # A thread with an event loop of its own running (a Jupyter cell, a coroutine):
             # the communicator refuses calls from a foreign loop, so the start itself is
             # handed over, with this thread's context (an engine op's mark) as on_loop does.
@@ -258,12 +258,13 @@ class BlockingCommunicator:
         return f"<BlockingCommunicator {self._comm!r}{state}>"
 
 
-def _loop_running_here() -> bool:
+def _foreign_loop_running(ours: asyncio.AbstractEventLoop) -> bool:
+    """Does this thread run an event loop other than the communicator's own?"""
     try:
-        asyncio.get_running_loop()
+        running = asyncio.get_running_loop()
     except RuntimeError:
         return False
-    return True
+    return running is not ours
 
 
 class BlockingEngine:

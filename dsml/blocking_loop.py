@@ -28,17 +28,19 @@ T = TypeVar("T")
 class Handle(Generic[T]):
     """An operation started on the communicator's loop; `wait()` gives its result."""
 
-    __slots__ = ("_cancel", "_future", "what")
+    __slots__ = ("_cancel", "_cancel_soon", "_future", "what")
 
     def __init__(
         self,
         future: concurrent.futures.Future[T],
         what: str,
         cancel: Callable[[], bool] | None = None,
+        cancel_soon: Callable[[], None] | None = None,
     ) -> None:
         self._future = future
         self.what = what
         self._cancel = cancel  # what cancelling means, when more than giving up the wait
+        self._cancel_soon = cancel_soon  # the same, asked without waiting for the loop
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until the operation ends; return its result or raise its error.
@@ -58,7 +60,10 @@ class Handle(Generic[T]):
                 f"{self.what} is still running after {timeout} s; wait() again or cancel() it"
             ) from None
         except KeyboardInterrupt:
-            self.cancel()
+            if self._cancel_soon is not None and not self._future.done():
+                self._cancel_soon()  # do not wait for a busy loop to raise the interrupt
+            else:
+                self.cancel()
             raise
 
     def done(self) -> bool:
@@ -107,15 +112,24 @@ class LoopThread:
         awaitable that cancelling its waiter does not cancel, as an engine op)."""
         coro = awaitable if isinstance(awaitable, Coroutine) else _outcome(awaitable)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        on_loop = None if cancel is None else (lambda: self.call(cancel))
-        return Handle(future, what, on_loop)
+        if cancel is None:
+            return Handle(future, what)
+
+        def soon() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self.loop.call_soon_threadsafe(cancel)
+
+        return Handle(future, what, lambda: self.call(cancel), soon)
 
     def run(self, awaitable: Awaitable[T], what: str) -> T:
         """Await `awaitable` on the loop and wait for it (Ctrl-C cancels it)."""
         return self.start(awaitable, what).wait()
 
     def call(self, fn: Callable[[], T]) -> T:
-        """Call `fn()` on the loop's thread and return what it returns."""
+        """Call `fn()` on the loop's thread and return what it returns (at once when
+        called there: waiting for the loop from its own thread would never end)."""
+        if threading.current_thread() is self._thread:
+            return fn()
 
         async def on_loop() -> T:
             return fn()

@@ -152,6 +152,23 @@ def test_collectives_work_from_a_thread_whose_own_event_loop_is_running():
     assert on_ranks(2, body) == [[3.0, 3.0, 3.0, 2.0, 2.0]] * 2
 
 
+def test_blocking_calls_from_a_coroutine_op_on_the_loop_thread_do_not_deadlock():
+    def body(comm: BlockingCommunicator) -> list[float]:
+        engine = comm.engine
+        seen: list[Any] = []
+
+        async def op() -> None:  # runs on the communicator's own loop thread
+            seen.append(comm.all_reduce(np.ones(2), async_op=True))
+            pushed = engine.push(lambda: None)
+            seen.append(pushed.cancel() in (True, False))  # answered at once, no wait
+
+        engine.push(op).wait(timeout=30)
+        assert seen[1] is True
+        return list(seen[0].wait(timeout=30).tolist())
+
+    assert on_ranks(2, body) == [[2.0, 2.0]] * 2
+
+
 def test_cancelling_a_blocking_engine_op_cancels_it_in_the_engine():
     def body(comm: BlockingCommunicator) -> str:
         engine = comm.engine

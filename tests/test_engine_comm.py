@@ -372,3 +372,16 @@ async def test_a_pushed_all_reduce_takes_a_torch_tensor_an_earlier_op_put_in_its
 
         for result in await cluster.run(program):
             assert torch.equal(result, torch.full((4,), 3.0))
+
+
+async def test_closing_the_engine_with_cancel_cancels_a_pushed_collective_cleanly():
+    """Its issue op was cancelled too: the completion op failed with an IndexError."""
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+        comm = cluster[0]
+        gate = asyncio.Event()
+        a = comm.engine.tag("a", np.ones(2))
+        comm.engine.push(gate.wait, mutate=[a.var])  # holds a: the collective waits
+        handle = comm.push_all_reduce(a)
+        await comm.engine.aclose(cancel=True)
+        with pytest.raises(asyncio.CancelledError):
+            await handle

@@ -295,9 +295,22 @@ async def test_a_call_in_flight_when_its_communicator_closes_fails_with_a_typed_
         await cluster[0].aclose()
         with pytest.raises(dsml.CollectiveAbortedError, match="closed while the call ran"):
             await handle
+        with pytest.raises(dsml.CollectiveAbortedError):  # again: the same answer
+            await handle
+        assert isinstance(handle.exception(), dsml.CollectiveAbortedError)
         # a caller's own cancel still gives CancelledError
         h2 = cluster[1].all_reduce(np.ones(4))
         await asyncio.sleep(0)
         h2.cancel()
         with pytest.raises(asyncio.CancelledError):
             await h2
+
+
+async def test_a_call_the_caller_cancelled_just_before_close_stays_a_cancellation():
+    async with open_local_cluster(2, config=dsml.CommConfig(timeout=10)) as cluster:
+        handle = cluster[0].all_reduce(np.ones(4))
+        await asyncio.sleep(0.05)
+        handle.cancel()
+        await cluster[0].aclose()  # in the same tick: it must not relabel the cancel
+        with pytest.raises(asyncio.CancelledError):
+            await handle

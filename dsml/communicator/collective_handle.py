@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from ..errors import CollectiveAbortedError
 
-#: the message a call's task is cancelled with when its communicator closes
-CLOSED_WHILE_RUNNING = "the communicator was closed while the call ran"
+#: the tasks of calls that comm.aclose() cancelled (not the caller): their handles raise
+#: CollectiveAbortedError, not a CancelledError the awaiting task would take for its own
+_closed_by_comm: weakref.WeakSet[asyncio.Future[Any]] = weakref.WeakSet()
+
+
+def cancel_on_close(task: asyncio.Future[Any]) -> None:
+    """Cancel a call's task because its communicator closes (a task the caller is already
+    cancelling stays the caller's cancellation)."""
+    if task.done():
+        return
+    if not isinstance(task, asyncio.Task) or task.cancelling() == 0:
+        _closed_by_comm.add(task)
+    task.cancel()
 
 
 def _cancelling() -> bool:
@@ -41,18 +53,23 @@ class CollectiveHandle(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         try:
             return (yield from self._task.__await__())
-        except asyncio.CancelledError as exc:
-            # Cancelled by comm.aclose() (not by the caller, nor its own task being
-            # cancelled): a typed error, not a CancelledError the awaiting task would
-            # pass for its own cancellation.
-            if exc.args[:1] != (CLOSED_WHILE_RUNNING,) or _cancelling():
+        except asyncio.CancelledError:
+            closed = self._closed_error()
+            if closed is None:
                 raise
-            raise CollectiveAbortedError(
-                f"{self.collective} #{self.cid}: this communicator was closed while the "
-                "call ran (the peers are told)",
-                cid=self.cid,
-                collective=self.collective,
-            ) from None
+            raise closed from None
+
+    def _closed_error(self) -> CollectiveAbortedError | None:
+        """The error of a call that comm.aclose() cancelled (None otherwise, and while the
+        awaiting task is itself being cancelled: then its CancelledError goes on)."""
+        if self._task not in _closed_by_comm or _cancelling():
+            return None
+        return CollectiveAbortedError(
+            f"{self.collective} #{self.cid}: this communicator was closed while the call "
+            "ran (the peers are told)",
+            cid=self.cid,
+            collective=self.collective,
+        )
 
     def done(self) -> bool:
         return self._task.done()
@@ -62,10 +79,22 @@ class CollectiveHandle(Generic[T]):
 
     def result(self) -> T:
         """The result; raises if the collective failed or is not done."""
-        return self._task.result()
+        try:
+            return self._task.result()
+        except asyncio.CancelledError:
+            closed = self._closed_error()
+            if closed is None:
+                raise
+            raise closed from None
 
     def exception(self) -> BaseException | None:
-        return self._task.exception()
+        try:
+            return self._task.exception()
+        except asyncio.CancelledError:
+            closed = self._closed_error()
+            if closed is None:
+                raise
+            return closed
 
     def cancel(self, msg: str | None = None) -> bool:
         """Cancel here and abort the collective on the ranks still waiting for it."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..collectives.interop import with_native
 from ..engine import Engine, OpHandle, Tagged, Var, current_op
-from ..errors import CollectiveTimeoutError, ConfigError, DsmlError
+from ..errors import CollectiveAbortedError, CollectiveTimeoutError, ConfigError, DsmlError
 from .collective_handle import CollectiveHandle
 from .plans import Request
 from .runner import Runner
@@ -100,21 +100,30 @@ class EngineLink:
                 started[0].cancel()
 
         async def complete() -> Array:
+            if not started:  # the issue op was cancelled itself (engine closing)
+                raise asyncio.CancelledError(f"{name} was cancelled before it was issued")
             outcome = started[0]
             if isinstance(outcome, BaseException):
                 raise outcome
             return await outcome
 
+        answer: list[bool] = []  # what the first cancel() said, said again after
+
         def cancel() -> bool:
             """Cancel the collective (issued or not yet), not the op: the op still waits
             for it to end, so its var stays held while the collective may use the data."""
             nonlocal cancelled
-            if cancelled:
-                return True
-            cancelled = True
-            if started and not isinstance(started[0], BaseException):
-                return bool(started[0].cancel())  # False: it had already ended
-            return True
+            if answer:
+                return answer[0]
+            if not started:
+                cancelled = True  # issue() cancels it right after starting it
+                answer.append(True)
+            elif isinstance(started[0], BaseException):
+                answer.append(False)  # it never started: the op fails with that error
+            else:
+                answer.append(bool(started[0].cancel()))  # False: it had already ended
+                cancelled = answer[0]
+            return answer[0]
 
         mutate = [tagged.var, self.var]
         self.engine.push(issue, read=read, mutate=mutate, name=f"issue {name}", always_run=True)
@@ -171,6 +180,15 @@ class EngineLink:
                         call.cancel()
                 if isinstance(exc, TimeoutError):
                     raise self._waited_too_long(budget) from None
+                current = asyncio.current_task()
+                mine = current is not None and current.cancelling() > 0
+                if isinstance(exc, asyncio.CancelledError) and self.engine.closed and not mine:
+                    raise CollectiveAbortedError(  # the engine closed under it, not a cancel
+                        "a call queued behind collectives pushed into comm.engine: the "
+                        "communicator was closed before its turn",
+                        rank=self._where()[0],
+                        epoch=self._where()[1],
+                    ) from None
                 raise
             outcome = issued[0]
             if isinstance(outcome, BaseException):

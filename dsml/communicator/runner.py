@@ -29,7 +29,7 @@ from ..config import CommConfig
 from ..errors import CollectiveError, ConfigError, DsmlError
 from .call import Call
 from .call_table import CallTable
-from .collective_handle import CLOSED_WHILE_RUNNING, CollectiveHandle
+from .collective_handle import CollectiveHandle, cancel_on_close
 from .deadlines import Deadlines
 from .plans import Planner, Request
 from .runner_calls import RunnerCalls
@@ -229,7 +229,7 @@ class Runner(RunnerCalls):
         tasks += [r.task for r in self._table.receives if r.task is not None]
         tasks += list(self._waiting)
         for task in tasks:
-            task.cancel(CLOSED_WHILE_RUNNING)  # its handle raises CollectiveAbortedError
+            cancel_on_close(task)  # its handle raises CollectiveAbortedError
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
 

@@ -277,9 +277,17 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         return self._start(what, run)
 
     def alltoall(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> DsmlWork:
-        timeout = self._timeout(opts)
+        timeout, size = self._timeout(opts), self.size()
+        wrong = ""
+        if len(inputs) != size or len(outputs) != size:
+            wrong = (
+                f"all_to_all: {len(inputs)} input and {len(outputs)} output parts in a group "
+                f"of {size}"
+            )
 
         async def run(comm: Communicator) -> Tensors:
+            if wrong:  # one barrier: the peers fail at the first of their two collectives
+                await _refuse(comm, 1, ValueError(wrong))
             # Always the same two collectives, whatever this rank's sizes: choosing by them
             # (equal parts: one all_to_all) let ranks take different paths and hang.
             await _exchange(comm, [_flat(t) for t in inputs], outputs, timeout)

@@ -55,6 +55,13 @@ fails_fast(
     lambda: dist.all_to_all_single(torch.zeros(3), torch.ones(3), [1, 1, 1], splits),
 )
 
+# split sizes that add up but are too few, on rank 0 only (it hung the peers)
+counts = [1, 1, 1] if rank != 0 else [3]
+fails_fast(
+    "split count",
+    lambda: dist.all_to_all_single(torch.zeros(3), torch.ones(3), [1, 1, 1], counts),
+)
+
 # recv into another dtype: an error, the buffer untouched
 if rank == 0:
     dist.send(torch.tensor([1.7, -2.5, 3e10], dtype=torch.float64), 1)
