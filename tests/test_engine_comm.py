@@ -385,3 +385,18 @@ async def test_closing_the_engine_with_cancel_cancels_a_pushed_collective_cleanl
         await comm.engine.aclose(cancel=True)
         with pytest.raises(asyncio.CancelledError):
             await handle
+
+
+async def test_a_direct_call_queued_behind_pushed_ones_says_the_communicator_closed():
+    """It ended in a bare CancelledError when the communicator closed with cancel."""
+    async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
+        comm = cluster[0]
+        gate = asyncio.Event()
+        a = comm.engine.tag("a", np.ones(2))
+        comm.engine.push(gate.wait, mutate=[a.var])
+        comm.push_all_reduce(a)  # waits for a, so the barrier below queues behind it
+        queued = comm.barrier()
+        await asyncio.sleep(0)
+        await comm.aclose(cancel=True)
+        with pytest.raises(CollectiveAbortedError, match="closed"):
+            await queued
