@@ -54,9 +54,12 @@ class CollectiveHandle(Generic[T]):
         try:
             return (yield from self._task.__await__())
         except asyncio.CancelledError:
-            closed = self._closed_error()
-            if closed is None:
-                raise
+            self._raise_if_closed()
+            raise
+
+    def _raise_if_closed(self) -> None:
+        closed = self._closed_error()
+        if closed is not None:
             raise closed from None
 
     def _closed_error(self) -> CollectiveAbortedError | None:
@@ -82,10 +85,8 @@ class CollectiveHandle(Generic[T]):
         try:
             return self._task.result()
         except asyncio.CancelledError:
-            closed = self._closed_error()
-            if closed is None:
-                raise
-            raise closed from None
+            self._raise_if_closed()
+            raise
 
     def exception(self) -> BaseException | None:
         try:

@@ -122,7 +122,6 @@ class EngineLink:
                 answer.append(False)  # it never started: the op fails with that error
             else:
                 answer.append(bool(started[0].cancel()))  # False: it had already ended
-                cancelled = answer[0]
             return answer[0]
 
         mutate = [tagged.var, self.var]

@@ -50,7 +50,7 @@ from typing import Any
 from ..errors import ConfigError
 from .base import EngineBase
 from .context import running
-from .graph import first_poison, inherit, link, release
+from .graph import first_poison, inherit, link, passed_on, release
 from .handle import Countdown, OpHandle, Poison, Status
 from .inbox import Inbox
 from .spec import coroutine_not_started, dependency_error
@@ -195,8 +195,7 @@ class Engine(EngineBase):
             self._release(op)
             return
         if op._always_run and op._preds:  # for a cancel before its body runs
-            would = {v: p for v, pred in op._preds if (p := pred._poison_for(v)) is not None}
-            op._would_inherit = {v: p for v, p in would.items() if v in op._mutates}
+            op._would_inherit = passed_on(op)
         hit = first_poison(op)
         if hit is not None:
             var, poison = hit

@@ -101,13 +101,19 @@ def first_poison(op: Op) -> tuple[Var, Poison] | None:
     return None
 
 
-def inherit(op: Op) -> None:
-    """Let a cancelled, never-run op pass on the poison it would have met, per var."""
+def passed_on(op: Op) -> dict[Var, Poison]:
+    """The poison a ready op meets, per var it mutates: what it passes on if it is
+    cancelled before it runs."""
     inherited: dict[Var, Poison] = {}
     for var, pred in op._preds:
         if var in op._mutates:
             poison = pred._poison_for(var)
             if poison is not None:
                 inherited[var] = poison
+    return inherited
+
+
+def inherit(op: Op) -> None:
+    """Let a cancelled, never-run op pass on the poison it would have met, per var."""
+    op._inherited = passed_on(op)
     op._preds = []
-    op._inherited = inherited
