@@ -9,6 +9,7 @@ all-to-all with uneven split sizes as a padded all-to-all.
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -148,6 +149,32 @@ def _split_into(outs: Tensors, gathered: Any) -> None:
     for out in outs:
         _copy_into(out, tensor[start : start + out.numel()])
         start += out.numel()
+
+
+def _code(dtype: torch.dtype) -> int:
+    """A number for a dtype that every rank computes alike (for `_table`)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+async def _table(
+    comm: Communicator,
+    row: Sequence[int],
+    timeout: float,  # noqa: ASYNC109 (each call takes it)
+) -> np.ndarray:
+    """Every rank's `row` (a few ints of the same length everywhere), one row per rank:
+    an all_gather, so that a check that needs the others' arguments (sizes, dtypes, a
+    flag that some rank's own arguments are wrong) fails alike on every rank."""
+    mine = np.asarray(row, dtype=np.int64)
+    got = await comm.all_gather(mine, timeout=timeout)
+    return np.asarray(got).reshape(comm.world_size, len(mine))
+
+
+def _first_other(table: np.ndarray, ref: int) -> int | None:
+    """The first rank whose row differs from rank `ref`'s, or None."""
+    for r in range(len(table)):
+        if not np.array_equal(table[r], table[ref]):
+            return r
+    return None
 
 
 async def _refuse(comm: Communicator, calls: int, error: BaseException) -> None:

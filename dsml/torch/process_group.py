@@ -9,7 +9,8 @@ array interop: CPU tensors without a copy (in-place calls write into them), CUDA
 through cupy.
 
 Mapping of torch's calls onto dsml's collectives (inputs flattened where torch's layout is
-a list of equal parts): allreduce -> all_reduce; broadcast; reduce; allgather and
+a list of equal parts): allreduce -> all_reduce (several tensors, and
+allreduce_coalesced: one all_reduce of them concatenated); broadcast; reduce; allgather and
 all_gather_single -> all_gather; gather; scatter; reduce_scatter(_single) ->
 reduce_scatter; alltoall -> an all_gather of the part sizes and an all_to_all of the parts
 padded to the longest (all_to_all_single without split sizes -> all_to_all); barrier;
@@ -18,7 +19,8 @@ send; recv.
 Arguments that are wrong on one rank only (an output of the wrong size, unequal parts)
 raise ValueError there after taking the call's turn with a barrier, which the peers'
 calls do not match: they fail at once with a mismatch instead of waiting for their
-timeout. A group whose dsml view changed (a member left or was lost) refuses every
+timeout. gather, scatter and the coalesced all-reduce first all_gather every rank's sizes
+(`_table`), so that what only one rank could see is an error on all. A group whose dsml view changed (a member left or was lost) refuses every
 later call: torch groups keep their size and ranks.
 
 The helpers that map torch's arguments onto dsml's calls are in mapping.py; how a group
@@ -28,10 +30,12 @@ finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py.
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,14 +45,17 @@ from ..errors import MembershipChangedError
 from .mapping import (
     Tensors,
     _all,
+    _code,
     _copy_into,
     _exchange,
+    _first_other,
     _flat,
     _gather_outputs_wrong,
     _op_name,
     _reduce_op,
     _refuse,
     _split_into,
+    _table,
     _unequal,
 )
 from .work import DsmlWork
@@ -123,6 +130,8 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def allreduce(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
         op = _op_name(_reduce_op(opts))
         timeout = self._timeout(opts)
+        if len(tensors) > 1:
+            return self._allreduce_together("allreduce", tensors, op, timeout)
 
         async def run(comm: Communicator) -> Tensors:
             await _all([comm.all_reduce(t, op, timeout=timeout) for t in tensors])
@@ -131,7 +140,40 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         return self._start("allreduce", run)
 
     def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
-        return self.allreduce(tensors, opts)
+        op, timeout = _op_name(_reduce_op(opts)), self._timeout(opts)
+        return self._allreduce_together("allreduce_coalesced", tensors, op, timeout)
+
+    def _allreduce_together(self, what: str, tensors: Tensors, op: str, timeout: float) -> DsmlWork:
+        """Several tensors reduced as one: all or none of them change. Concatenated into one
+        buffer (so a failure leaves every input as it was, where one all_reduce each would
+        have written those that succeeded), after an all_gather of their layout, so that
+        tensors of other shapes with the same total fail on every rank."""
+        wrong = ""
+        if len({(t.dtype, t.device) for t in tensors}) > 1:
+            wrong = f"{what}: the tensors must all have one dtype and device"
+        layout = zlib.crc32(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode())
+
+        async def run(comm: Communicator) -> Tensors:
+            table = await _table(comm, [bool(wrong), layout], timeout)
+            if table[:, 0].any():
+                bad = int(np.argmax(table[:, 0]))
+                raise ValueError(wrong or f"{what}: rank {bad}'s tensors differ in dtype or device")
+            other = _first_other(table, 0)
+            if other is not None:
+                raise ValueError(
+                    f"{what}: rank {other}'s tensors differ from rank 0's in number, shape or dtype"
+                )
+            if not tensors:
+                return tensors
+            flat = torch.cat([_flat(t) for t in tensors])
+            await comm.all_reduce(flat, op, timeout=timeout)
+            start = 0
+            for t in tensors:
+                t.copy_(flat[start : start + t.numel()].reshape(t.shape))
+                start += t.numel()
+            return tensors
+
+        return self._start(what, run)
 
     def broadcast(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
         root, timeout = opts.rootRank, self._timeout(opts)
@@ -202,14 +244,24 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def gather(self, outputs: list[Tensors], inputs: Tensors, opts: Any = None) -> DsmlWork:
         root, timeout = opts.rootRank, self._timeout(opts)
 
-        wrong = ""
+        x, wrong = inputs[0], ""
         if self.rank() == root:
             wrong = _gather_outputs_wrong(self.size(), outputs, inputs)
 
         async def run(comm: Communicator) -> list[Tensors]:
-            if wrong:
-                await _refuse(comm, 1, ValueError(f"gather: {wrong}"))
-            gathered = await comm.gather(_flat(inputs[0]), root, timeout=timeout)
+            # Every rank learns every input's size and dtype and whether the root's outputs
+            # fit: an error on one rank is an error on all (the root alone could tell).
+            table = await _table(comm, [bool(wrong), x.numel(), _code(x.dtype)], timeout)
+            if table[root, 0]:
+                raise ValueError(f"gather: {wrong or f'rank {root} has wrong outputs'}")
+            other = _first_other(table, root)
+            if other is not None:
+                raise ValueError(
+                    f"gather: rank {other}'s input ({table[other, 1]} elements) differs in size "
+                    f"or dtype from rank {root}'s ({table[root, 1]}): every rank's input must "
+                    "match one output"
+                )
+            gathered = await comm.gather(_flat(x), root, timeout=timeout)
             if gathered is not None:
                 _split_into(outputs[0], gathered)
             return outputs
@@ -218,12 +270,25 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
     def scatter(self, outputs: Tensors, inputs: list[Tensors], opts: Any = None) -> DsmlWork:
         root, timeout = opts.rootRank, self._timeout(opts)
-        parts = inputs[0] if inputs else None
+        parts, out = (inputs[0] if inputs else None), outputs[0]
         wrong = _unequal("scatter", parts, self.size()) if parts is not None else ""
+        if self.rank() == root and parts is None:
+            wrong = "scatter: the root has no parts to scatter"
+        part = parts[0] if parts and not wrong else out  # what every output must match
 
         async def run(comm: Communicator) -> Tensors:
-            if wrong:
-                await _refuse(comm, 1, ValueError(wrong))
+            # Every rank learns whether the root's parts fit every rank's output, so a
+            # wrong output on one rank is an error on all (not that rank alone).
+            mine = [bool(wrong), out.numel(), _code(out.dtype), part.numel(), _code(part.dtype)]
+            table = await _table(comm, mine, timeout)
+            if table[root, 0]:
+                raise ValueError(wrong or f"scatter: rank {root} has wrong parts")
+            for r in range(len(table)):
+                if table[r, 1] != table[root, 3] or table[r, 2] != table[root, 4]:
+                    raise ValueError(
+                        f"scatter: rank {r}'s output ({table[r, 1]} elements) does not match "
+                        f"the parts of rank {root} ({table[root, 3]} elements) in size or dtype"
+                    )
             whole = torch.cat([_flat(p) for p in parts]) if parts is not None else None
             mine = await comm.scatter(whole, root, timeout=timeout)
             _copy_into(outputs[0], mine)

@@ -62,6 +62,32 @@ fails_fast(
     lambda: dist.all_to_all_single(torch.zeros(3), torch.ones(3), [1, 1, 1], counts),
 )
 
+# gather and scatter: a wrong size on one rank is an error on every rank (the root alone
+# could tell, or the one rank: the others returned as if nothing were wrong)
+gathered = [torch.zeros(2) for _ in range(size)] if rank == 0 else None
+fails_fast("gather unequal", lambda: dist.gather(torch.ones(2 + (rank == 2)), gathered, dst=0))
+short = [torch.zeros(2) for _ in range(size - 1)] if rank == 0 else None
+fails_fast("gather short list", lambda: dist.gather(torch.ones(2), short, dst=0))
+parts = [torch.full((2,), float(j)) for j in range(size)] if rank == 1 else None
+mine = torch.zeros(3 if rank == 2 else 2)
+fails_fast("scatter output size", lambda: dist.scatter(mine, parts, src=1))
+dist.gather(torch.full((2,), float(rank)), gathered, dst=0)  # and valid ones still work
+dist.scatter(mine := torch.zeros(2), parts, src=1)
+assert torch.equal(mine, torch.full((2,), float(rank))), mine
+if rank == 0:
+    assert [g.tolist() for g in gathered] == [[float(j)] * 2 for j in range(size)], gathered
+
+# allreduce_coalesced: one tensor of another shape on one rank (or the same total in other
+# shapes) fails on every rank and changes none of the tensors (it reduced the others)
+for shapes in ([(2,), (4,)], [(3,), (2,)]):
+    mine = [torch.ones(s) for s in (shapes if rank == 1 else [(2,), (3,)])]
+    fails_fast("coalesced shapes", lambda: dist.all_reduce_coalesced(mine))
+    assert all(torch.equal(t, torch.ones_like(t)) for t in mine), mine
+mine = [torch.ones(2), torch.full((2, 2), float(rank))]
+dist.all_reduce_coalesced(mine)
+assert torch.equal(mine[0], torch.full((2,), 3.0)), mine
+assert torch.equal(mine[1], torch.full((2, 2), 3.0)), mine
+
 # recv into another dtype: an error, the buffer untouched
 if rank == 0:
     dist.send(torch.tensor([1.7, -2.5, 3e10], dtype=torch.float64), 1)
