@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dsml import ConfigError, RegistryConfig, RegistryUnavailableError, open_registry
+import dsml
+from dsml import CommConfig, ConfigError, RegistryConfig, RegistryUnavailableError, open_registry
 from dsml.membership.client import query_status
 from dsml.transport import Beacon, Channel, Curve, Endpoint, generate_keys, is_loopback
 from dsml.wire import Envelope, Kind
@@ -365,3 +366,16 @@ async def test_a_client_without_keys_or_with_a_stranger_key_is_told_keys_may_be_
             await query_status(registry.address, registry_timeout=0.5, curve=stranger)
         status = await query_status(registry.address, curve=Curve.load(keys, "client"))
         assert isinstance(status, dict)
+
+
+async def test_init_without_keys_against_a_curve_registry_fails_after_the_timeout(keys):
+    """It hung forever (most runs): the failed join's clean-up waited to queue a leave on a
+    connection whose handshake never completed."""
+    config = RegistryConfig(address="tcp://127.0.0.1:0", curve=Curve.load(keys, "server"))
+    async with open_registry(config=config) as registry:
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            started = loop.time()
+            with pytest.raises(RegistryUnavailableError, match="--curve-keys DIR"):
+                await dsml.init(registry.address, 2, config=CommConfig(registry_timeout=0.5))
+            assert loop.time() - started < 5

@@ -218,6 +218,29 @@ async def test_init_without_a_registry_raises_registry_unavailable_after_the_tim
     assert isinstance(unavailable.value, ConnectionError)
 
 
+async def test_init_against_a_port_that_is_not_a_registry_fails_after_the_timeout():
+    """A server that answers with other bytes (a wrong port: HTTP, another service) fails
+    the ZeroMQ handshake; init's clean-up then sent its leave into a socket with nowhere to
+    queue it and hung forever."""
+
+    async def not_zeromq(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\n" + b"\xff" * 100)
+        await writer.drain()
+        await reader.read()  # keep it open until the client goes
+        writer.close()
+
+    server = await asyncio.start_server(not_zeromq, "127.0.0.1", 0)
+    address = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        with pytest.raises(RegistryUnavailableError):
+            await dsml.init(address, 2, config=CommConfig(registry_timeout=0.5))
+        assert loop.time() - started < 5
+    finally:
+        server.close()
+
+
 async def test_query_status_without_a_registry_raises_registry_unavailable():
     with pytest.raises(RegistryUnavailableError):
         await query_status(free_tcp_address(), registry_timeout=0.3)

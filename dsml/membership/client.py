@@ -10,6 +10,7 @@ data path: collectives do not wait on the registry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -28,6 +29,8 @@ log = logging.getLogger("dsml.membership")
 
 _REPLY_KINDS = (Kind.JOIN_ACCEPTED, Kind.JOIN_REJECTED, Kind.STATUS_REPLY)
 _JOIN_RESEND_S = 2.0  # a join request lost to a registry restart is sent again
+#: the most a leave waits to be queued (see `RegistryClient.leave`)
+LEAVE_SEND_S = 1.0
 
 
 class Listener(Protocol):
@@ -277,10 +280,17 @@ class RegistryClient:
         return reply.body or {}
 
     async def leave(self, last: int = 0) -> None:
-        """Tell the registry this member is going after collective `last` (no reply)."""
+        """Tell the registry this member is going after collective `last` (no reply).
+
+        Best effort, within LEAVE_SEND_S: where the connection never completed its
+        handshake (a wrong port, a CURVE registry and no keys) ZeroMQ has nowhere to queue
+        the message and the send would wait forever; a registry that does not hear it
+        drops the member when its heartbeats stop."""
         self.stop_heartbeats()
         if self._channel is not None and not self._channel.closed:
-            await self._request(Kind.LEAVE_REQUEST, {"last": last})
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LEAVE_SEND_S):
+                    await self._request(Kind.LEAVE_REQUEST, {"last": last})
 
     async def aclose(self, *, linger_s: float | None = None) -> None:
         self.stop_heartbeats()

@@ -20,8 +20,9 @@ Arguments that are wrong on one rank only (an output of the wrong size, unequal 
 raise ValueError there after taking the call's turn with a barrier, which the peers'
 calls do not match: they fail at once with a mismatch instead of waiting for their
 timeout. gather, scatter and the coalesced all-reduce first all_gather every rank's sizes
-(`_table`), so that what only one rank could see is an error on all. A group whose dsml view changed (a member left or was lost) refuses every
-later call: torch groups keep their size and ranks.
+(`_table`), so that what only one rank could see is an error on all. A group whose dsml
+view changed (a member left or was lost) refuses every later call: torch groups keep their
+size and ranks.
 
 The helpers that map torch's arguments onto dsml's calls are in mapping.py; how a group
 finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py.
