@@ -229,16 +229,20 @@ class CallTable:
             collective=call.fingerprint.collective,
         )
 
-    def peer_left_error(self, peer: int, what: str) -> CollectiveAbortedError:
-        """The error of a send to, or receive from, a peer that closed its communicator."""
+    def peer_left_error(self, peer: int, what: str) -> CollectiveError:
+        """The error of a send to, or receive from, a peer that closed its communicator:
+        `MemberLeftError` for a graceful leave, as collectives give (a membership change
+        that `dsml.elastic` recovers from), `CollectiveAbortedError` carrying the error
+        it left by."""
         error = self.left_with_error.get(peer)
-        why = f" after an error: {error}" if error is not None else ""
+        message = f"{what} rank {peer} cannot complete: rank {peer} closed its communicator"
+        where = {"rank": self.rank, "epoch": self.epoch, "collective": what.split()[0]}
+        if error is None:
+            return MemberLeftError(message, left=[peer], **where)
         return CollectiveAbortedError(
-            f"{what} rank {peer} cannot complete: rank {peer} closed its communicator{why}",
+            f"{message} after an error: {error}",
             origin=peer,
-            rank=self.rank,
-            epoch=self.epoch,
-            collective=what.split()[0],
+            **where,
         )
 
     # -- inbound (from PeerLinks: sender already checked to be a peer of this epoch) ---------
