@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from .communicator import Communicator, init
+from .communicator import Communicator
+from .communicator.init import init_or_join
 from .config import CommConfig, env_int, environ
 from .errors import (
     ConfigError,
@@ -212,7 +213,7 @@ async def run(
     size = world_size if world_size is not None else _env_world_size(min_size)
 
     async def join() -> Communicator:
-        comm = await init(registry, size, config=config, name=name)
+        comm = await init_or_join(registry, size, config=config, name=name)
         comm.interrupt_on_join = True
         return comm
 

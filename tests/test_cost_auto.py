@@ -121,7 +121,7 @@ async def test_a_new_view_is_measured_again(hosts3: list[dsml.Communicator]) -> 
     assert all(c.cost_model is not None and c.cost_model.world_size == 3 for c in hosts3)
     waiting = [asyncio.ensure_future(c.wait_view_change(timeout=30)) for c in hosts3]
     config = CommConfig(bind="tcp://127.0.0.4:0")
-    async with dsml.init(hosts3[0].registry_address, 3, config=config) as joiner:
+    async with dsml.init(hosts3[0].registry_address, config=config) as joiner:
         await asyncio.gather(*waiting)
         comms = [*hosts3, joiner]
         xs = [np.ones(8) for _ in comms]

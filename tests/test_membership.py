@@ -173,7 +173,7 @@ async def test_a_joiner_is_admitted_between_collectives_without_disturbing_them(
 
         loops = [asyncio.ensure_future(loop(c, r)) for r, c in enumerate(cluster)]
         await eventually(lambda: all(len(d) >= 3 for d in done), "some collectives")
-        async with dsml.init(cluster.registry.address, 4, config=PATIENT) as joiner:
+        async with dsml.init(cluster.registry.address, config=PATIENT) as joiner:
             assert (joiner.rank, joiner.world_size, joiner.epoch) == (4, 5, 2)
             stop.set()
             out = await joiner.all_reduce(np.ones(10_000))
@@ -190,7 +190,7 @@ async def test_joiners_arriving_together_cause_one_new_epoch():
     async with open_local_cluster(2, config=PATIENT) as cluster:
         before = cluster.registry.views_published
         joiners = await asyncio.gather(
-            *(dsml.init(cluster.registry.address, 2, config=PATIENT) for _ in range(3))
+            *(dsml.init(cluster.registry.address, config=PATIENT) for _ in range(3))
         )
         try:
             assert cluster.registry.views_published == before + 1
@@ -209,7 +209,7 @@ async def test_view_change_callbacks_and_waiting_for_a_view():
         seen = []
         remove = cluster[0].on_view_change(lambda old, new: seen.append((old.epoch, new.epoch)))
         waiting = asyncio.ensure_future(cluster[1].wait_view_change(timeout=10))
-        async with dsml.init(cluster.registry.address, 2, config=PATIENT) as joiner:
+        async with dsml.init(cluster.registry.address, config=PATIENT) as joiner:
             view = await waiting
             assert view.epoch == 2
             assert view.size == 3

@@ -246,7 +246,7 @@ async def run_plan(plan: Plan) -> dict[str, Any]:
                 elif kind == "foreign":
                     await foreign_burst(victim.comm, 300)
                 elif kind == "join":
-                    comm = await dsml.init(address, plan.world, config=CONFIG)
+                    comm = await dsml.init(address, config=CONFIG)  # join what runs
                     joiner = Rank(comm, rounds=1, calm=calm)
                     extra.append(joiner)
                     loops.append(asyncio.ensure_future(joiner.loop()))

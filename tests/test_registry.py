@@ -117,7 +117,7 @@ async def test_a_rank_already_asked_for_is_refused():
 async def test_a_joiner_after_the_group_formed_is_admitted_at_the_next_collective():
     async with dsml.open_registry() as registry, dsml.init(registry.address, 1) as comm:
         assert (comm.rank, comm.world_size, comm.epoch) == (0, 1, 1)
-        async with dsml.init(registry.address, 1, config=FAST) as joiner:
+        async with dsml.init(registry.address, config=FAST) as joiner:  # no world_size
             assert (joiner.rank, joiner.world_size, joiner.epoch) == (1, 2, 2)
             assert registry.view is not None
             assert registry.view.size == 2
@@ -127,6 +127,22 @@ async def test_a_joiner_after_the_group_formed_is_admitted_at_the_next_collectiv
             await asyncio.gather(comm.all_reduce(xs[0]), joiner.all_reduce(xs[1]))
             assert all((x == 3.0).all() for x in xs)
             assert comm.epoch == 2
+
+
+async def test_a_second_job_asking_to_form_a_group_is_refused_while_one_runs():
+    """It was admitted into the running group, whatever world_size it asked for: its data
+    went into the first job's sums."""
+    async with dsml.open_registry() as registry:
+        comms = await join_one_by_one(registry, [None, None])
+        async with closing(comms):
+            for size in (1, 2):
+                with pytest.raises(ConfigError, match=r"world_size=2 .*is running here") as no:
+                    await dsml.init(registry.address, size, config=FAST)
+                assert f"this worker's world_size={size}" in str(no.value)
+            xs = [np.full(3, 1.0), np.full(3, 2.0)]
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+            assert all((x == 3.0).all() for x in xs)
+            assert [c.world_size for c in comms] == [2, 2]
 
 
 async def test_after_every_member_left_the_registry_forms_a_new_group_at_a_higher_epoch():

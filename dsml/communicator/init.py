@@ -28,7 +28,7 @@ from .communicator import Communicator
 from .links import PeerLinks
 from .tasks import TaskOwner
 
-__all__ = ["init"]
+__all__ = ["init", "init_or_join"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,6 +39,7 @@ class _JoinArgs:
     device: DeviceSpec
     bind: str | None  # CommConfig.bind or DSML_BIND when given; else chosen at join
     ifname: str | None  # DSML_IFNAME
+    join_running: bool = False  # may join a running group although world_size was given
 
 
 def _resolve(
@@ -117,10 +118,10 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
     registry = RegistryClient(registry_address, member, config)
     try:
         registry.open()
-        size = args.plan.world_size
+        size, running = args.plan.world_size, args.join_running
         if size is None:
-            size = await running_world_size(registry)
-        view = await registry.join(size, args.plan.rank)
+            size, running = await running_world_size(registry), True
+        view = await registry.join(size, args.plan.rank, running=running)
         rank = view.rank_of(member_id)
         assert rank is not None, "the registry's view must contain the member that joined"
         comm = Communicator(links, tasks, registry, config, loop, _place(args, rank))
@@ -163,8 +164,10 @@ def init(
             launcher's rendezvous, where its rank-0 process serves the registry: torchrun,
             srun, mpirun with MASTER_ADDR/MASTER_PORT; see `dsml.launch`).
         world_size: members the group needs before it forms (default: `DSML_WORLD_SIZE`,
-            else the launcher's). Without one, join the group running at `address` (at
-            its next collective boundary).
+            else the launcher's). A group already running there admits the worker only
+            while it has fewer members (a registry forms one group at a time: a second job
+            is refused). Without one, join the group running at `address` (at its next
+            collective boundary).
         rank: ask for this rank (default: `DSML_RANK`, else the launcher's rank, else the
             join order).
         name: a label shown by status tools.
@@ -190,8 +193,22 @@ def init(
         JoinTimeoutError: the group did not form within `config.join_timeout`.
     """
     args = _resolve(address, world_size, rank, name, timeout, config, device, environ())
+    return _opener(args)
 
+
+def init_or_join(
+    address: str | None, world_size: int | None, *, config: CommConfig | None, name: str | None
+) -> Opener[Communicator]:
+    """`init`, but where a group already runs at the registry, join it whatever its size
+    (`dsml.elastic`: `world_size` only forms a new group). With `init`, a running group as
+    large as `world_size` refuses the worker, so that a second job pointed at a busy
+    registry is not merged into the first."""
+    args = _resolve(address, world_size, None, name, None, config, None, environ())
+    return _opener(dataclasses.replace(args, join_running=True))
+
+
+def _opener(args: _JoinArgs) -> Opener[Communicator]:
     async def open_communicator() -> Communicator:
         return await _join(args)
 
-    return Opener(open_communicator)
+    return Opener(open_communicator, "dsml.init")

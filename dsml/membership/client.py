@@ -203,9 +203,17 @@ class RegistryClient:
                 wait.cancel()
         return next(iter(done)).result()
 
-    async def join(self, world_size: int, rank: int | None = None) -> View:
-        """Join and wait until the group has formed; returns the first view."""
-        request = {"member": self.member.to_wire(), "world_size": world_size, "rank": rank}
+    async def join(
+        self, world_size: int, rank: int | None = None, *, running: bool = False
+    ) -> View:
+        """Join and wait until the group has formed; returns the first view. `running`:
+        a group running at the registry may admit this member (else it refuses)."""
+        request = {
+            "member": self.member.to_wire(),
+            "world_size": world_size,
+            "rank": rank,
+            "running": running,
+        }
         await self._request(Kind.JOIN_REQUEST, request)
         reply = await self._reply(Kind.JOIN_ACCEPTED, Kind.JOIN_REJECTED)
         if reply.kind is Kind.JOIN_REJECTED and self.view is None:

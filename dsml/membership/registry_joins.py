@@ -31,6 +31,7 @@ class RegistryJoins(RegistryCore):
         member = Member.from_wire(fields.get_map("member"))
         world_size = fields.get_int("world_size", 1, _MAX_WORLD)
         wanted = fields.get_int("rank", 0, _MAX_WORLD, optional=True)
+        running = fields.has("running") and fields.get_bool("running")
         if sender != member.id.encode():
             raise ProtocolError("JoinRequest identity does not match its member id")
         if self._view is not None and self._view.rank_of(member.id) is not None:
@@ -39,7 +40,7 @@ class RegistryJoins(RegistryCore):
         if member.id in self._evicted:
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": "this member id was evicted"})
             return
-        reason = self._join_refusal(member, world_size, wanted)
+        reason = self._join_refusal(member, world_size, wanted, running)
         if reason:
             log.warning("refused %s: %s", member.describe(), reason)
             self._refused.append(f"{member.describe()}: {reason}")
@@ -58,13 +59,27 @@ class RegistryJoins(RegistryCore):
         if len(self._joining) == world_size:
             self._form_group(world_size)
 
-    def _join_refusal(self, member: Member, world_size: int, wanted: int | None) -> str:
+    def _join_refusal(
+        self, member: Member, world_size: int, wanted: int | None, running: bool
+    ) -> str:
         try:
             check_address(member.address, "member address")
         except ConfigError as exc:
             return str(exc)
         if self._view is not None:
-            return ""  # joins a running group: its size and rank are the group's business
+            # A running group admits a member asking for a larger world_size (it replaces
+            # one lost, or grows the group), or one that asked to join whatever runs; not
+            # one whose world_size it already has: a second job pointed here by mistake,
+            # whose data would go into this group's sums.
+            have = self._view.size + len(self._pending)
+            if not running and world_size <= have:
+                return (
+                    f"a group of world_size={have} (epoch {self._view.epoch}) is running "
+                    f"here, as large as this worker's world_size={world_size} asks for: a "
+                    "registry forms one group at a time. Leave world_size out to join the "
+                    "running group, or use another registry"
+                )
+            return ""  # its rank is the group's business
         others = [j for j in self._joining.values() if j.member.id != member.id]
         if others and others[0].world_size != world_size:
             return (
