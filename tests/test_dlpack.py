@@ -265,6 +265,68 @@ async def test_an_object_refused_on_one_rank_fails_the_other_ranks_fast():
         assert (await cluster.run(lambda c: c.all_reduce(torch.ones(2))))[0].tolist() == [2, 2]
 
 
+async def attempt(call, comm):
+    """call(comm) awaited (at most 10 s), or the DsmlError it raised (at once or later)."""
+    try:
+        return await asyncio.wait_for(call(comm), 10)
+    except dsml.DsmlError as exc:
+        return exc
+
+
+async def test_a_negative_view_is_refused_not_read_without_its_sign():
+    """DLPack exports torch's lazily negated tensors without the sign: all_gather of
+    z.conj().imag gave +[2, 4], and a max all_reduce picked the wrong value."""
+    async with open_local_cluster(2, config=CONFIG) as cluster:
+        for call in (
+            lambda c: c.all_gather(torch.tensor([1 + 2j, 3 + 4j]).conj().imag),
+            lambda c: c.all_reduce(torch._neg_view(torch.full((3,), 1.0 + c.rank)), "max"),
+        ):
+            outcomes = await asyncio.gather(*(attempt(call, c) for c in cluster))
+            assert all(isinstance(o, dsml.DsmlError) for o in outcomes), outcomes
+            assert any("negative view" in str(o) for o in outcomes), outcomes
+        resolved = await cluster.run(
+            lambda c: c.all_gather(torch._neg_view(torch.ones(2)).resolve_neg())
+        )
+        assert all(r.tolist() == [-1.0] * 4 for r in resolved)
+
+
+async def test_writing_into_elements_that_share_memory_is_refused_on_every_rank():
+    """An expanded tensor (stride 0) took the result in some elements only: the ranks
+    ended with different values ([4, 4, 4, 4] and [1, 2, 3, 4])."""
+    async with open_local_cluster(2, config=CONFIG) as cluster:
+        xs = [torch.tensor([1.0]).expand(4), torch.arange(4.0)]
+        outcomes = await asyncio.gather(
+            *(attempt(lambda c: c.all_reduce(xs[c.rank]), c) for c in cluster)
+        )
+        assert all(isinstance(o, dsml.DsmlError) for o in outcomes), outcomes
+        assert "share memory" in str(outcomes[0])
+        assert xs[1].tolist() == [0.0, 1.0, 2.0, 3.0]  # untouched
+        flat = np.broadcast_to(np.ones(1), (3,))  # stride 0, and numpy lets it be written:
+        flat.flags.writeable = True  # rank 0 receives into it; the root only reads it
+        outcomes = await asyncio.gather(
+            *(attempt(lambda c: c.broadcast(flat, root=1), c) for c in cluster)
+        )
+        assert isinstance(outcomes[0], ConfigError), outcomes
+        assert "share memory" in str(outcomes[0])
+        assert isinstance(outcomes[1], dsml.DsmlError), outcomes
+        got = await cluster.run(lambda c: c.all_reduce(torch.ones(2)))  # in step still
+        assert [g.tolist() for g in got] == [[2.0, 2.0]] * 2
+
+
+async def test_a_jax_array_pushed_through_the_engine_is_replaced_by_its_result():
+    """Readers after a push_all_reduce of an immutable array saw the old data."""
+    jax = pytest.importorskip("jax", reason="jax is not installed (pip install dsml[jax])")
+    async with open_local_cluster(2, config=CONFIG) as cluster:
+
+        async def pushed(c):
+            tagged = c.engine.tag("g", jax.numpy.full(3, c.rank + 1.0))
+            c.push_all_reduce(tagged)
+            seen = c.engine.push(lambda: np.asarray(tagged.data).tolist(), read=[tagged.var])
+            return await seen
+
+        assert await cluster.run(pushed) == [[3.0] * 3] * 2
+
+
 class OnGpu(OnlyDLPack):
     """Says its memory is on CUDA device 0 (DLPack device type 2)."""
 

@@ -3,13 +3,15 @@ refused; none of this needs torch or JAX."""
 
 from __future__ import annotations
 
+import array
+import asyncio
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from dsml import CommConfig, ConfigError
+from dsml import CommConfig, ConfigError, DsmlError
 from dsml.testing import open_local_cluster
 
 CONFIG = CommConfig(chunk_bytes=4096, zero_copy_min_bytes=1024, timeout=30)
@@ -47,6 +49,41 @@ async def test_objects_that_are_not_arrays_are_refused_with_a_clear_error():
     async with open_local_cluster(1, config=CONFIG) as cluster:
         with pytest.raises(ConfigError, match="__dlpack__ or the buffer protocol"):
             cluster[0].all_reduce([1, 2, 3])
+
+
+async def attempt(comm, x):
+    """comm.all_reduce(x) awaited (at most 10 s), or the DsmlError it raised."""
+    try:
+        return await asyncio.wait_for(comm.all_reduce(x), 10)
+    except DsmlError as exc:
+        return exc
+
+
+async def test_signed_bytes_stay_signed_and_odd_buffers_are_read_or_refused_in_turn():
+    """array('b') and int8 memoryviews were read as uint8 (max of -1 and 1 gave -1); a
+    buffer numpy could not read raised BufferError or ValueError before the call took its
+    turn, so the peers paired each later call with the previous one."""
+    async with open_local_cluster(2, config=CONFIG) as cluster:
+        signed = [array.array("b", [-1, 5, -100]), array.array("b", [1, -5, 100])]
+        await cluster.run(lambda c: c.all_reduce(signed[c.rank], "max"))
+        assert [list(x) for x in signed] == [[1, 5, 100]] * 2
+        views = [memoryview(np.array([-1, 5], np.int8)), memoryview(np.array([1, -5], np.int8))]
+        await cluster.run(lambda c: c.all_reduce(views[c.rank], "min"))
+        assert [v.tolist() for v in views] == [[-1, -5]] * 2
+
+        strided = [memoryview(bytearray(range(8)))[::2], memoryview(bytearray(range(8)))[::2]]
+        await cluster.run(lambda c: c.all_reduce(strided[c.rank]))
+        assert [list(v) for v in strided] == [[0, 4, 8, 12]] * 2
+
+        released = memoryview(bytearray(4))
+        released.release()
+        mine = [released, np.ones(4, np.uint8)]
+        outcomes = await asyncio.gather(*(attempt(c, mine[c.rank]) for c in cluster))
+        assert isinstance(outcomes[0], ConfigError), outcomes
+        assert isinstance(outcomes[1], DsmlError), outcomes  # at once, not at the timeout
+        xs = [np.full(4, 10, np.uint8), np.full(4, 20, np.uint8)]
+        await cluster.run(lambda c: c.all_reduce(xs[c.rank]))  # the next call pairs
+        assert [x.tolist() for x in xs] == [[30] * 4] * 2
 
 
 def test_importing_dsml_and_its_blocking_api_imports_neither_torch_nor_jax():

@@ -10,12 +10,16 @@ decorates its public methods), and results are converted back to the caller's ty
 * torch CUDA tensors: a cupy view (cupy must be installed); results as torch tensors on
   the input's device.
 * JAX arrays are read-only: in-place calls write into a copy and return a new JAX array,
-  leaving the input untouched; new results are JAX arrays.
+  leaving the input untouched; new results are JAX arrays. (A pushed collective sets the
+  new array as its var's data: `writes_in_place`.)
 * Any other `__dlpack__` object: written in place (and returned) when writable; new
   results are numpy (or cupy) arrays.
 * memoryview and bytearray are written in place; new results have the input's type
   (bytes-likes are uint8). `bytes` is read-only: results are new `bytes`.
-* Other buffer objects (array.array, mmap): written in place; new results are numpy.
+* Other buffer objects (array.array, mmap): written in place, with the buffer's own
+  format ('b' is int8); new results are numpy.
+* A buffer numpy cannot read (a released memoryview, a closed mmap) and a torch negative
+  view (exported without its sign) are `ConfigError`s, so the call still takes its turn.
 * Calls without an input array (recv; scatter on a non-root) give numpy (or cupy) arrays.
 
 No library is imported here: objects are told apart by their type's module name, and
@@ -37,7 +41,15 @@ from ..errors import ConfigError
 from .devices import CUPY_HINT, is_cupy_array, load_cupy
 from .dlpack import CPU_DEVICES, CUDA_DEVICES, dlpack_device, export_host
 
-__all__ = ["ConvertingHandle", "Native", "like", "native_arrays", "to_native", "with_native"]
+__all__ = [
+    "ConvertingHandle",
+    "Native",
+    "like",
+    "native_arrays",
+    "to_native",
+    "with_native",
+    "writes_in_place",
+]
 
 P = ParamSpec("P")
 S = TypeVar("S")
@@ -80,17 +92,23 @@ def to_native(x: Any, what: str = "x", *, writes: bool = False) -> Native:
         ConfigError: x is not an array dsml can take.
     """
     library = _library(x)
-    if hasattr(x, "__dlpack__") and not isinstance(x, memoryview):
-        array, writable = _from_dlpack(_detached(x, library), what)
-        writable = writable and library not in _IMMUTABLE
-    elif _has_buffer(x):
-        array, writable = _from_buffer(x)
-    else:
-        raise ConfigError(
-            f"{what} must be a numpy array, a cupy array, or any object with __dlpack__ or the "
-            f"buffer protocol (torch and JAX arrays, memoryview, bytearray); got "
-            f"{type(x).__name__}. Wrap it with numpy.asarray"
-        )
+    try:
+        if hasattr(x, "__dlpack__") and not isinstance(x, memoryview):
+            array, writable = _from_dlpack(_detached(x, library, what), what)
+            writable = writable and library not in _IMMUTABLE
+        elif _has_buffer(x):
+            array, writable = _from_buffer(x)
+        else:
+            raise ConfigError(
+                f"{what} must be a numpy array, a cupy array, or any object with __dlpack__ or "
+                f"the buffer protocol (torch and JAX arrays, memoryview, bytearray); got "
+                f"{type(x).__name__}. Wrap it with numpy.asarray"
+            )
+    except ConfigError:
+        raise
+    except Exception as exc:  # a released memoryview, a closed mmap, a format numpy lacks:
+        # a ConfigError, so that the call still takes its turn (see with_native)
+        raise ConfigError(f"{what} ({type(x).__name__}) cannot be read as an array: {exc}") from exc
     if writes and not writable:
         array = array.copy()  # read-only input: the result is written into a new array
     return Native(array, x, library, shares_memory=writable)
@@ -178,9 +196,18 @@ def _library(x: object) -> str:
     return kind.__module__.split(".")[0]
 
 
-def _detached(x: Any, library: str) -> Any:
-    """A torch tensor that requires grad, detached (same memory): DLPack refuses it."""
-    if library == "torch" and getattr(x, "requires_grad", False):
+def _detached(x: Any, library: str, what: str) -> Any:
+    """A torch tensor that requires grad, detached (same memory): DLPack refuses it. A
+    negative view (torch's lazy negation, as in `z.conj().imag`) is refused: DLPack
+    exports its memory without the sign."""
+    if library != "torch":
+        return x
+    if getattr(x, "is_neg", None) is not None and x.is_neg():
+        raise ConfigError(
+            f"{what} is a torch negative view (lazy negation, as in z.conj().imag), which "
+            "DLPack would export without its sign; pass x.resolve_neg()"
+        )
+    if getattr(x, "requires_grad", False):
         return x.detach()
     return x
 
@@ -214,16 +241,28 @@ def _has_buffer(x: object) -> bool:
         memoryview(x)  # type: ignore[arg-type]
     except TypeError:
         return False
+    except Exception:  # it has the protocol, but it failed (a released view, ...)
+        return True
     return True
 
 
 def _from_buffer(x: Any) -> tuple[np.ndarray[Any, Any], bool]:
     view = memoryview(x)
-    if isinstance(x, bytes | bytearray) or view.format in ("B", "b", "c"):
-        array = np.frombuffer(view, dtype=np.uint8).reshape(view.shape or ())
-    else:
-        array = np.asarray(view)  # keeps the format's dtype, shape and strides
+    array = np.asarray(view)  # keeps the format's dtype ('b': int8), shape and strides
+    if array.dtype.kind == "S":  # 'c' (char): bytes, as uint8
+        array = array.view(np.uint8)
     return array, not view.readonly
+
+
+def writes_in_place(x: Any) -> bool:
+    """Does an in-place call on x write into x's own memory (rather than a copy, whose
+    result comes back as a new object: JAX arrays, bytes)? True for what is refused."""
+    if is_native(x):
+        return True
+    try:
+        return to_native(x).shares_memory
+    except ConfigError:
+        return True
 
 
 # -- back to the caller's type --------------------------------------------------------------

@@ -221,10 +221,12 @@ class SameHost:
         if not self._warned:
             self._warned = True
             log.warning(
-                "not enough room in /dev/shm for a %d-byte collective: it (and others like "
-                "it) go over TCP; give the container a larger /dev/shm (e.g. docker "
-                "--shm-size=1g) or set DSML_SHM=0",
+                "no room in shared memory for a %d-byte collective: it (and others like it) "
+                "go over TCP. A rank's segment may take at most shm_max_bytes (%d, "
+                "CommConfig) and what /dev/shm has free; raise shm_max_bytes, give the "
+                "container a larger /dev/shm (e.g. docker --shm-size=1g), or set DSML_SHM=0",
                 nbytes,
+                self.max_data_bytes,
             )
 
     def close(self) -> None:

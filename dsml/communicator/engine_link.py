@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from ..collectives.interop import with_native
+from ..collectives.interop import like, with_native, writes_in_place
 from ..engine import Engine, OpHandle, Tagged, Var, current_op
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, ConfigError, DsmlError
 from .collective_handle import CollectiveHandle
@@ -75,6 +75,7 @@ class EngineLink:
     ) -> OpHandle[Array]:
         """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
         started: list[Any] = []  # the collective's handle, or why it did not start
+        source: list[Any] = []  # the data it was issued for
         cancelled = False
         name = f"{request.collective}({tagged.var.name})"
         pushed = tagged.data  # (request.x may be its numpy view: see with_native)
@@ -85,6 +86,7 @@ class EngineLink:
                 self._runner.reject(request, f"its input {tagged.var.name!r}: {op.blocked}")
                 started.append(op.blocked)
                 return
+            source.append(tagged.data)
             try:
                 if tagged.data is pushed:
                     started.append(self._start(request))
@@ -105,7 +107,13 @@ class EngineLink:
             outcome = started[0]
             if isinstance(outcome, BaseException):
                 raise outcome
-            return await outcome
+            value = await outcome
+            data = source[0]
+            if tagged.data is data and not writes_in_place(data):
+                # JAX arrays, bytes: the result is a new object, which later readers of
+                # the var must see as its data (an in-place call wrote the others)
+                tagged.data = like(value, data)
+            return value
 
         answer: list[bool] = []  # what the first cancel() said, said again after
 

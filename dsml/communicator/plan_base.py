@@ -91,8 +91,10 @@ def loose_fingerprint(
     Only values the wire accepts are kept (short names, integers in range), so the abort
     is not itself refused as malformed by the peers.
     """
-    dtype = getattr(x, "dtype", None)
-    shape = getattr(x, "shape", None)
+    try:
+        dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    except Exception:  # a released memoryview raises even for these
+        dtype = shape = None
     if not (isinstance(shape, tuple) and len(shape) <= 64 and all(_valid_int(d) for d in shape)):
         shape = None
     elif collective in ROW_COLLECTIVES:  # their fingerprints hold a row's shape
@@ -167,8 +169,18 @@ class PlannerBase:
         be = timed(backend_of(x, what))  # reductions and copies count in comm.stats()
         dtype = x.dtype  # type: ignore[attr-defined]
         name: str = self._memo_get(("dtype", dtype), lambda: dtype_name(dtype))
-        if writable and not getattr(x.flags, "writeable", True):  # type: ignore[attr-defined]
-            raise ConfigError(f"{what} is read-only, but this collective writes its result into it")
+        if writable:
+            if not getattr(x.flags, "writeable", True):  # type: ignore[attr-defined]
+                raise ConfigError(
+                    f"{what} is read-only, but this collective writes its result into it"
+                )
+            shape, strides = x.shape, x.strides  # type: ignore[attr-defined]
+            if 0 in strides and any(not s and n > 1 for s, n in zip(strides, shape, strict=True)):
+                raise ConfigError(
+                    f"{what} has elements that share memory (a stride of 0: a broadcast or "
+                    "expanded view), but this collective writes its result into it; pass a "
+                    "copy"
+                )
         return be.plain(x), be, name
 
     @staticmethod
