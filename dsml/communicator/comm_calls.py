@@ -175,13 +175,15 @@ class CommunicatorCalls(CommunicatorInfo):
         leaving the ranks' collective ids out of step. `algorithm` and `timeout` are
         all_reduce's.
         """
+        data = tagged.data  # read once: an earlier op may replace it any moment
         return with_native(  # torch, JAX, DLPack data: as for all_reduce
-            tagged.data,
+            data,
             True,
-            lambda data: self._engine_link.push_collective(
+            lambda x: self._engine_link.push_collective(
                 tagged,
                 read,
-                Request("all_reduce", data, op=op, algorithm=algorithm, timeout=timeout),
+                Request("all_reduce", x, op=op, algorithm=algorithm, timeout=timeout),
+                data,
             ),
         )
 
@@ -189,10 +191,11 @@ class CommunicatorCalls(CommunicatorInfo):
         self, tagged: Tagged[Array], root: int = 0, *, timeout: float | None = None
     ) -> OpHandle[Array]:
         """Push `broadcast(tagged.data, root)` into the engine (see `push_all_reduce`)."""
+        data = tagged.data
         return with_native(
-            tagged.data,
+            data,
             True,
-            lambda data: self._engine_link.push_collective(
-                tagged, (), Request("broadcast", data, root=root, timeout=timeout)
+            lambda x: self._engine_link.push_collective(
+                tagged, (), Request("broadcast", x, root=root, timeout=timeout), data
             ),
         )

@@ -72,13 +72,15 @@ class EngineLink:
         tagged: Tagged[Array],
         read: Iterable[Var],
         request: Request,
+        pushed: Any,
     ) -> OpHandle[Array]:
-        """Push an issue op (mutates tagged.var and comm.var) and a completion op."""
+        """Push an issue op (mutates tagged.var and comm.var) and a completion op.
+        `pushed` is the data request.x was made from (tagged.data when pushed: an op
+        running meanwhile may have replaced it since, which the issue op sees)."""
         started: list[Any] = []  # the collective's handle, or why it did not start
         source: list[Any] = []  # the data it was issued for
         cancelled = False
         name = f"{request.collective}({tagged.var.name})"
-        pushed = tagged.data  # (request.x may be its numpy view: see with_native)
 
         async def issue() -> None:
             op = current_op()
