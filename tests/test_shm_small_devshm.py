@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES_MIB = (1, 8, 48)
-WARNING = "not enough room in /dev/shm"
+WARNING = "no room in shared memory"
 
 
 def _why_not() -> str | None:

@@ -174,7 +174,7 @@ class PlannerBase:
                 raise ConfigError(
                     f"{what} is read-only, but this collective writes its result into it"
                 )
-            shape, strides = x.shape, x.strides  # type: ignore[attr-defined]
+            strides, shape = getattr(x, "strides", ()), getattr(x, "shape", ())
             if 0 in strides and any(not s and n > 1 for s, n in zip(strides, shape, strict=True)):
                 raise ConfigError(
                     f"{what} has elements that share memory (a stride of 0: a broadcast or "
