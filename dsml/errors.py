@@ -169,13 +169,21 @@ class JobTimeoutError(DsmlError, TimeoutError):
     """A job did not finish within `client.run(..., timeout=)`; it was cancelled."""
 
 
-def caused_by_another_rank(type_name: str) -> bool:
+#: In the message of the `CollectiveTimeoutError` a rank raises when a peer that timed
+#: out probes it (and so gives the call up): a consequence, not where the hang is.
+GAVE_UP = "and gave it up"
+
+
+def caused_by_another_rank(type_name: str, message: str = "") -> bool:
     """True when `type_name`, an error's class as a traceback prints it
     ("dsml.errors.MemberLeftError"), is one a rank raises because another rank failed or
-    left: an abort or a membership change, subclasses included. Launchers and the daemon
-    client name the rank with any other error as a crash's root cause."""
+    left: an abort or a membership change, subclasses included, or a timeout another rank
+    gave up (`message` says so). Launchers and the daemon client name the rank with any
+    other error as a crash's root cause."""
     module, _, name = type_name.rpartition(".")
     kind = globals().get(name) if module == __name__ else None
-    return isinstance(kind, type) and issubclass(
-        kind, (CollectiveAbortedError, MembershipChangedError)
-    )
+    if not isinstance(kind, type):
+        return False
+    if issubclass(kind, CollectiveTimeoutError) and GAVE_UP in message:
+        return True
+    return issubclass(kind, (CollectiveAbortedError, MembershipChangedError))

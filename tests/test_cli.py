@@ -176,6 +176,37 @@ def test_a_failing_rank_stops_the_job_and_is_named_with_its_error():
     assert elapsed < 30  # stopped, not waiting for the collective timeout (120 s)
 
 
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_rank_that_blocks_its_loop_is_the_one_the_launcher_names(shm):
+    """The rank named was a bystander that a prober had made give the call up (and the
+    prober, still waiting for the hung rank's answer, was stopped before it could say);
+    in shared memory, a live rank after the hung one was reported as silent too."""
+    script = str(SCRIPTS / "hang_rank.py")
+    result = dsml_cmd("run", "-n", "4", script, env={"HANG_RANK": "1", "DSML_SHM": shm})
+    assert result.returncode == 1, result.stderr[-3000:]
+    summary = result.stderr.rsplit("dsml run: rank", 1)[1]
+    assert "CollectiveTimeoutError" in summary, summary
+    assert "rank 1 did not answer" in summary, summary
+    assert "gave it up" not in summary, summary
+
+
+def test_run_m_gives_the_module_every_argument_after_it(tmp_path):
+    """`-m MODULE -n 7 --epochs 3` started 7 ranks (dsml took -n) or refused --epochs."""
+    package = tmp_path / "argsprobe"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "show.py").write_text(
+        "import json, os, sys\nprint(json.dumps([sys.argv[1:], os.environ['DSML_WORLD_SIZE']]))\n"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    result = dsml_cmd("run", "-n", "1", "-m", "argsprobe.show", "-n", "7", "--epochs", "3", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.split("] ", 1)[1]) == [["-n", "7", "--epochs", "3"], "1"]
+    missing = dsml_cmd("run", "-n", "1", "-m")
+    assert missing.returncode == 2
+    assert "-m needs a MODULE" in missing.stderr
+
+
 def test_interrupting_the_launcher_reaches_every_rank_and_ends_them():
     proc, pids = start_waiting_ranks(2)
     proc.send_signal(signal.SIGINT)

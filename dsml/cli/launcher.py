@@ -110,7 +110,10 @@ class Failure:
     def consequence(self) -> bool:
         """True when this rank only failed because another one did (as its error says)."""
         error = _error_of(self.tail) or self.tail[-1:]
-        return bool(error) and caused_by_another_rank(error[0].partition(":")[0])
+        if not error:
+            return False
+        name, _, message = error[0].partition(":")
+        return caused_by_another_rank(name, message)
 
     def report(self) -> str:
         where = f" on node {self.node} ({self.host})" if self.node is not None else ""

@@ -76,7 +76,13 @@ def add_parser(sub: Any) -> None:
         "spread: also give each of fewer ranks its own block of CPUs; none: never bind "
         "(default: %(default)s)",
     )
-    parser.add_argument("-m", dest="module", help="run a module (like python -m) instead")
+    parser.add_argument(
+        "-m",
+        dest="module",
+        nargs=argparse.REMAINDER,
+        metavar="MODULE [ARGS]",
+        help="run a module (like python -m) instead; everything after MODULE is its own",
+    )
     parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=_main)
@@ -86,12 +92,17 @@ def _main(args: argparse.Namespace) -> int:
     if args.nprocs < 1:
         print("dsml run: -n must be at least 1", file=sys.stderr)
         return 2
-    if args.module:
+    if args.module is not None:  # -m takes the rest: the module's own options stay its own
+        if not args.module:
+            print("dsml run: -m needs a MODULE", file=sys.stderr)
+            return 2
+        module, *rest = args.module
         argv = [
             sys.executable,
             "-m",
-            args.module,
-            *([args.script] if args.script else []),
+            module,
+            *rest,
+            *([args.script] if args.script else []),  # only with -mMODULE written as one
             *args.args,
         ]
     elif args.script:

@@ -20,6 +20,7 @@ from typing import Any
 from ..collectives.group import Lane
 from ..config import CommConfig
 from ..errors import (
+    GAVE_UP,
     CollectiveAbortedError,
     CollectiveError,
     CollectiveMismatchError,
@@ -184,6 +185,11 @@ class CallTable:
                     for peer in peers:
                         env, _ = await self.mailbox.get(("progress", call.epoch, call.cid), peer)
                         progress[peer] = Fields(env.body, "Progress").get_int("started")
+            # Answers that came while we waited for a peer before them (which did not
+            # answer): without these, a live rank after a hung one was reported as silent.
+            for peer, (env, _) in self.mailbox.first_items(("progress", call.epoch, call.cid)):
+                if progress.get(peer) is None:
+                    progress[peer] = Fields(env.body, "Progress").get_int("started")
         finally:
             self._probing.discard((call.epoch, call.cid))
             self.mailbox.discard(("progress", call.epoch, call.cid))
@@ -286,7 +292,7 @@ class CallTable:
         reply = Envelope(Kind.PROGRESS, self.epoch, self.rank, env.cid, body=body)
         self.links.send_control(reply, [rank])
         message = (
-            f"rank {rank} timed out in collective #{env.cid} and gave it up "
+            f"rank {rank} timed out in collective #{env.cid} {GAVE_UP} "
             "(its own error says which ranks it was waiting for)"
         )
         given_up = Envelope(
