@@ -207,6 +207,21 @@ def test_run_m_gives_the_module_every_argument_after_it(tmp_path):
     assert "-m needs a MODULE" in missing.stderr
 
 
+def test_bad_launch_flags_are_refused_before_any_rank_starts():
+    """A bad --registry started every rank, each printing a traceback; --grace -1 and
+    bench sizes below one element were taken silently."""
+    for args, says in (
+        (["run", "-n", "2", "--registry", "notanaddr", "x.py"], "--registry 'notanaddr'"),
+        (["run", "-n", "2", "--grace", "-1", "x.py"], "--grace must be 0 or more"),
+        (["bench", "-n", "2", "--sizes", "3"], "not a whole number of float32 elements"),
+        (["bench", "-n", "2", "--iters", "-1"], "--iters must be at least 1"),
+    ):
+        result = dsml_cmd(*args, timeout=30)
+        assert result.returncode == 2, (args, result.stderr)
+        assert says in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr + result.stdout
+
+
 def test_interrupting_the_launcher_reaches_every_rank_and_ends_them():
     proc, pids = start_waiting_ranks(2)
     proc.send_signal(signal.SIGINT)

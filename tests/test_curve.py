@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import stat
 import subprocess
@@ -379,3 +380,30 @@ async def test_init_without_keys_against_a_curve_registry_fails_after_the_timeou
             with pytest.raises(RegistryUnavailableError, match="--curve-keys DIR"):
                 await dsml.init(registry.address, 2, config=CommConfig(registry_timeout=0.5))
             assert loop.time() - started < 5
+
+
+def test_the_commands_read_the_keys_from_dsml_curve_keys_as_the_ranks_do(keys):
+    """`dsml status` (and worker, registry, run) took keys only from --curve-keys, while
+    its own error message suggested DSML_CURVE_KEYS."""
+    env = {**os.environ, "DSML_CURVE_KEYS": str(keys), "PYTHONPATH": str(ROOT)}
+    dsml_cmd = [sys.executable, "-m", "dsml"]
+    registry = subprocess.Popen(
+        [*dsml_cmd, "registry", "--address", LOOPBACK],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert registry.stdout is not None
+        address = next(w for w in registry.stdout.readline().split() if w.startswith("tcp://"))
+        status = [*dsml_cmd, "status", "--registry", address, "--wait", "2"]
+        with_keys = subprocess.run(status, env=env, capture_output=True, text=True, timeout=30)
+        assert with_keys.returncode == 0, with_keys.stderr
+        plain = {k: v for k, v in env.items() if k != "DSML_CURVE_KEYS"}
+        without = subprocess.run(status, env=plain, capture_output=True, text=True, timeout=30)
+        assert without.returncode == 1  # the registry uses CURVE: it came from the variable
+        assert "no registry answered" in without.stderr
+    finally:
+        registry.terminate()
+        registry.wait(timeout=10)

@@ -208,7 +208,9 @@ def test_only_this_pythons_scripts_and_modules_are_forked() -> None:
     assert not forkable([py, "-c", "print(1)"], {})
     assert not forkable([py, "-X", "dev", "train.py"], {})
     assert not forkable(["/usr/bin/other-python", "train.py"], {})
-    assert not forkable([py, "train.py"], {"DSML_FORKSERVER": "0"})
+    for off in ("0", "false", "no", "OFF"):  # only "0" turned it off
+        assert not forkable([py, "train.py"], {"DSML_FORKSERVER": off})
+    assert forkable([py, "train.py"], {"DSML_FORKSERVER": "1"})
 
 
 @pytest.mark.timeout(90)

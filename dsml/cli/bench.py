@@ -89,6 +89,15 @@ def _algorithms(text: str) -> list[str]:
 
 def _main(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    itemsize = DTYPES[args.dtype].itemsize
+    for size in sizes:
+        if size < itemsize or size % itemsize:
+            raise ConfigError(
+                f"--sizes: {size} bytes is not a whole number of {args.dtype} elements "
+                f"({itemsize} bytes each)"
+            )
+    if args.iters < 0:
+        raise ConfigError("--iters must be at least 1 (or 0: chosen by size)")
     check_op(args.op, args.dtype)
     algorithms = _algorithms(args.algorithm)
     if args.nprocs < 1:

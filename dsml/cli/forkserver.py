@@ -58,13 +58,14 @@ log = logging.getLogger("dsml.launcher")
 
 _PRELOAD = ("numpy", "zmq", "msgpack", "dsml")
 _MAX_PACKET = 1 << 20  # a request: argv and environment
+_OFF = ("0", "false", "no", "off")  # DSML_FORKSERVER values that turn it off, as DSML_SHM
 _READY_S = 60.0  # the server's imports take well under a second; a stuck one is not used
 
 
 def forkable(argv: Sequence[str], env: Mapping[str, str]) -> bool:
     """Whether `argv` is `python SCRIPT ...` or `python -m MODULE ...` of this interpreter
     (what the fork server can run) and the environment allows it."""
-    if env.get("DSML_FORKSERVER", "1") == "0" or sys.platform != "linux":
+    if env.get("DSML_FORKSERVER", "1").strip().lower() in _OFF or sys.platform != "linux":
         return False
     if len(argv) < 2 or argv[0] != sys.executable:
         return False

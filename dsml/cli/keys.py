@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..transport import generate_keys
 
-__all__ = ["add_parser"]
+__all__ = ["add_curve_keys_option", "add_parser"]
 
 _ADVICE = """\
 Copy {dir} to every host of the cluster. Registry and worker hosts need server.key_secret
@@ -48,3 +49,13 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     print(_ADVICE.format(dir=args.dir, client=args.client))
     return 0
+
+
+def add_curve_keys_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--curve-keys DIR`, by default DSML_CURVE_KEYS (as the ranks read it)."""
+    parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=os.environ.get("DSML_CURVE_KEYS", "").strip() or None,
+        help=f"{what} (default: DSML_CURVE_KEYS)",
+    )

@@ -12,6 +12,7 @@ from ..config import RegistryConfig
 from ..errors import ConfigError
 from ..membership import open_registry
 from ..transport import Curve
+from .keys import add_curve_keys_option
 
 __all__ = ["add_parser"]
 
@@ -43,11 +44,10 @@ def add_parser(sub: Any) -> None:
         help="a worker silent this long is declared dead; must exceed twice the interval "
         "(default: %(default)s). A killed worker is found sooner, by its peers.",
     )
-    parser.add_argument(
-        "--curve-keys",
-        metavar="DIR",
-        help="CURVE keys made by `dsml keys generate DIR`: encrypt everything and hear only "
-        "keys allowlisted in DIR/authorized",
+    add_curve_keys_option(
+        parser,
+        "CURVE keys made by `dsml keys generate DIR`: encrypt everything and hear only keys "
+        "allowlisted in DIR/authorized",
     )
     parser.set_defaults(handler=_main)
 

@@ -25,8 +25,9 @@ from ..collectives.devices import parse_device, resolve_device
 from ..config import RegistryConfig
 from ..errors import ConfigError, DsmlError
 from ..membership import Registry, open_registry, query_status
-from ..transport import Curve
+from ..transport import Curve, check_address
 from ..transport.addresses import is_local_address, resolve_host
+from .keys import add_curve_keys_option
 from .launcher import CPU_BIND, Launch
 from .nodes import NodeBoard, NodeLink, NodeShape, link_address
 
@@ -53,9 +54,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1 (default 0)"
     )
-    parser.add_argument(
-        "--curve-keys",
-        help="a `dsml keys generate` folder: CURVE for the registry, the launchers' link and "
+    add_curve_keys_option(
+        parser,
+        "a `dsml keys generate` folder: CURVE for the registry, the launchers' link and "
         "every rank (sets DSML_CURVE_KEYS)",
     )
     parser.add_argument(
@@ -92,6 +93,11 @@ def _main(args: argparse.Namespace) -> int:
     if args.nprocs < 1:
         print("dsml run: -n must be at least 1", file=sys.stderr)
         return 2
+    if args.grace < 0:
+        print("dsml run: --grace must be 0 or more seconds", file=sys.stderr)
+        return 2
+    if args.registry is not None:  # before any rank starts, not once per rank
+        check_address(args.registry, "--registry")
     if args.module is not None:  # -m takes the rest: the module's own options stay its own
         if not args.module:
             print("dsml run: -m needs a MODULE", file=sys.stderr)

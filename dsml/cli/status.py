@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import ConfigError, RegistryUnavailableError
 from ..membership import query_status
 from ..transport import Curve
+from .keys import add_curve_keys_option
 
 __all__ = ["add_parser"]
 
@@ -26,9 +27,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--wait", type=float, default=3.0, help="seconds to wait for an answer (default: 3)"
     )
-    parser.add_argument(
-        "--curve-keys", metavar="DIR", help="CURVE keys, for a registry started with them"
-    )
+    add_curve_keys_option(parser, "CURVE keys, for a registry started with them")
     parser.set_defaults(handler=_main)
 
 

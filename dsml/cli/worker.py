@@ -13,6 +13,7 @@ from ..daemon import WorkerConfig, WorkerDaemon
 from ..errors import ConfigError, DsmlError, RegistryUnavailableError
 from ..membership import query_status
 from ..transport import Curve
+from .keys import add_curve_keys_option
 
 __all__ = ["add_parser"]
 
@@ -41,11 +42,10 @@ def add_parser(sub: Any) -> None:
         help="address to serve jobs on (default: %(default)s); its host also carries the "
         "jobs' peer links. A non-loopback address requires --curve-keys",
     )
-    parser.add_argument(
-        "--curve-keys",
-        metavar="DIR",
-        help="CURVE keys made by `dsml keys generate DIR`: encrypt everything and run jobs "
-        "only from clients whose public key is in DIR/authorized",
+    add_curve_keys_option(
+        parser,
+        "CURVE keys made by `dsml keys generate DIR`: encrypt everything and run jobs only "
+        "from clients whose public key is in DIR/authorized",
     )
     parser.add_argument(
         "--heartbeat-interval",
