@@ -190,6 +190,9 @@ class CallTable:
             for peer, (env, _) in self.mailbox.first_items(("progress", call.epoch, call.cid)):
                 if progress.get(peer) is None:
                     progress[peer] = Fields(env.body, "Progress").get_int("started")
+            for peer in peers:  # a goodbye answers too: a peer that another prober made
+                if progress[peer] is None and peer in self.closed_after:  # give up and leave
+                    progress[peer] = self.closed_after[peer]  # is not where the hang is
         finally:
             self._probing.discard((call.epoch, call.cid))
             self.mailbox.discard(("progress", call.epoch, call.cid))
