@@ -289,6 +289,9 @@ def test_status_exits_1_when_no_registry_answers():
 
 def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():
     with standalone_registry() as address:
+        idle = dsml_cmd("status", "--registry", address)
+        assert idle.returncode == 0, idle.stderr
+        assert ": no group yet," in idle.stdout  # it said "group forming, ... world size 0"
         run = dsml_cmd("run", "-n", "2", "--registry", address, "examples/hello_all_reduce.py")
         assert run.returncode == 0, run.stderr
         report = status_after_job(address)
@@ -297,6 +300,8 @@ def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():
         assert report["epoch"] == 2
         assert report["formed"] is False
         assert report["members"] == []
+        after = dsml_cmd("status", "--registry", address)
+        assert "no group running (the last one's epoch: 2)" in after.stdout, after.stdout
 
 
 def test_a_registry_serves_the_next_job_after_a_job_whose_rank_failed():

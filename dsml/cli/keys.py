@@ -47,7 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     print()
-    print(_ADVICE.format(dir=args.dir, client=args.client))
+    print(_ADVICE.format(dir=args.dir.rstrip("/") or "/", client=args.client))
     return 0
 
 

@@ -33,6 +33,8 @@ def add_parser(sub: Any) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     try:
+        if not args.wait > 0:
+            raise ConfigError(f"--wait must be a positive number of seconds, not {args.wait}")
         curve = _curve(args.curve_keys) if args.curve_keys else None
         status = asyncio.run(query_status(args.registry, registry_timeout=args.wait, curve=curve))
     except (RegistryUnavailableError, ConfigError) as exc:
@@ -56,10 +58,14 @@ def _curve(directory: str) -> Curve:
 
 
 def _render(address: str, status: dict[str, Any]) -> str:
-    state = "formed" if status.get("formed") else "forming"
+    if status.get("formed") or status.get("joining"):
+        state = "formed" if status.get("formed") else "forming"
+        group = f"group {state}, epoch {status.get('epoch')}, world size {status.get('world_size')}"
+    else:
+        epoch = status.get("epoch")
+        group = f"no group running (the last one's epoch: {epoch})" if epoch else "no group yet"
     lines = [
-        f"registry {address}: group {state}, epoch {status.get('epoch')}, "
-        f"world size {status.get('world_size')}, "
+        f"registry {address}: {group}, "
         f"{status.get('dropped_messages', 0)} malformed messages dropped"
     ]
     members = status.get("members") or []
