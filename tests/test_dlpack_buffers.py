@@ -71,6 +71,10 @@ async def test_signed_bytes_stay_signed_and_odd_buffers_are_read_or_refused_in_t
         await cluster.run(lambda c: c.all_reduce(views[c.rank], "min"))
         assert [v.tolist() for v in views] == [[-1, -5]] * 2
 
+        empty = [np.zeros((0, 3)), np.zeros((3, 0), np.float32)]  # strides (0, 0): not shared
+        for x in empty:
+            got = await cluster.run(lambda c, x=x: c.all_reduce(x.copy()))
+            assert all(g.shape == x.shape for g in got)
         strided = [memoryview(bytearray(range(8)))[::2], memoryview(bytearray(range(8)))[::2]]
         await cluster.run(lambda c: c.all_reduce(strided[c.rank]))
         assert [list(v) for v in strided] == [[0, 4, 8, 12]] * 2

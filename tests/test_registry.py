@@ -20,6 +20,7 @@ from dsml import (
     RegistryUnavailableError,
 )
 from dsml.membership import query_status
+from dsml.testing import crash
 from tests.waiting import eventually
 
 FAST = CommConfig(join_timeout=10, registry_timeout=5)
@@ -129,20 +130,75 @@ async def test_a_joiner_after_the_group_formed_is_admitted_at_the_next_collectiv
             assert comm.epoch == 2
 
 
-async def test_a_second_job_asking_to_form_a_group_is_refused_while_one_runs():
+async def test_a_second_job_waits_for_the_running_group_and_never_joins_it():
     """It was admitted into the running group, whatever world_size it asked for: its data
-    went into the first job's sums."""
+    went into the first job's sums. Now it waits for that group to end (a registry forms
+    one group at a time), failing at its join timeout with a message that says so."""
     async with dsml.open_registry() as registry:
         comms = await join_one_by_one(registry, [None, None])
         async with closing(comms):
+            quick = CommConfig(join_timeout=1.5, registry_timeout=5)
             for size in (1, 2):
-                with pytest.raises(ConfigError, match=r"world_size=2 .*is running here") as no:
-                    await dsml.init(registry.address, size, config=FAST)
-                assert f"this worker's world_size={size}" in str(no.value)
+                with pytest.raises(JoinTimeoutError, match="a group of 2 is running") as late:
+                    await dsml.init(registry.address, size, config=quick)
+                assert "forms one group at a time" in str(late.value)
             xs = [np.full(3, 1.0), np.full(3, 2.0)]
             await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
             assert all((x == 3.0).all() for x in xs)
             assert [c.world_size for c in comms] == [2, 2]
+            assert registry.status()["refused"] == []
+
+
+async def test_a_rerun_after_its_group_died_forms_once_the_registry_drops_the_dead():
+    """A re-run of the same size while the dead group was still listed was refused at
+    once (by the first form of the rule above); it waits, then forms a new group."""
+    config = RegistryConfig(
+        address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=1.0
+    )
+    async with dsml.open_registry(config=config) as registry:
+        old = await join_one_by_one(registry, [None, None])
+        for comm in old:
+            await crash(comm)
+        again = await asyncio.gather(
+            *(dsml.init(registry.address, 2, config=FAST) for _ in range(2))
+        )
+        async with closing(list(again)) as comms:
+            assert sorted(c.rank for c in comms) == [0, 1]
+            assert all(c.epoch > 1 for c in comms)
+            xs = [np.full(2, 1.0), np.full(2, 5.0)]
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+            assert all((x == 6.0).all() for x in xs)
+
+
+async def test_a_replacement_started_before_the_loss_is_known_takes_the_lost_ranks_place():
+    """Started with the job's own world_size while the dead member was still counted, it
+    waits; once the loss is known, the group lacks a member and admits it."""
+    config = RegistryConfig(
+        address="tcp://127.0.0.1:0", heartbeat_interval=0.2, heartbeat_timeout=1.0
+    )
+    async with dsml.open_registry(config=config) as registry:
+        comms = await join_one_by_one(registry, [None, None, None])
+        await crash(comms[2])
+        replacement = asyncio.ensure_future(dsml.init(registry.address, 3, config=FAST))
+        survivors = comms[:2]
+        async with closing(survivors):
+            await eventually(
+                lambda: (
+                    registry.view is not None
+                    and registry.view.size == 3
+                    and comms[2].member_id not in [m.id for m in registry.view.members]
+                ),
+                "the replacement admitted",
+                within=15,
+            )
+            joiner = await replacement
+            async with closing([joiner]):
+                everyone = [*survivors, joiner]
+                for c in survivors:  # each survivor sees the loss once
+                    with contextlib.suppress(dsml.DsmlError):
+                        await asyncio.wait_for(c.barrier(), 10)
+                results = await asyncio.gather(*(c.all_reduce(np.ones(2)) for c in everyone))
+                assert all((r == 3).all() for r in results)
 
 
 async def test_after_every_member_left_the_registry_forms_a_new_group_at_a_higher_epoch():

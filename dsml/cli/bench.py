@@ -21,6 +21,7 @@ from typing import Any
 from ..collectives import ALL_REDUCE_ALGORITHMS, DTYPES, check_algorithm, check_op
 from ..config import parse_size
 from ..errors import ConfigError
+from .keys import add_curve_keys_option
 from .launcher import CPU_BIND
 from .run import check_device, launch
 
@@ -52,6 +53,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--iters", type=int, default=0, help="timed calls per size (default: by size)"
     )
+    add_curve_keys_option(parser, "CURVE keys for the registry and every rank, as dsml run's")
     parser.add_argument(
         "--device",
         default="cpu",
@@ -142,6 +144,7 @@ def _main(args: argparse.Namespace) -> int:
             on_line=on_line,
             device=device,
             cpu_bind=args.cpu_bind,
+            curve_keys=args.curve_keys,
         )
     )
     if args.json:  # also after a failure: the sizes measured until then

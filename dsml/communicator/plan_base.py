@@ -175,7 +175,13 @@ class PlannerBase:
                     f"{what} is read-only, but this collective writes its result into it"
                 )
             strides, shape = getattr(x, "strides", ()), getattr(x, "shape", ())
-            if 0 in strides and any(not s and n > 1 for s, n in zip(strides, shape, strict=True)):
+            if (
+                0 in strides
+                and 0 not in shape
+                and any(  # (empty arrays have 0 strides)
+                    not s and n > 1 for s, n in zip(strides, shape, strict=True)
+                )
+            ):
                 raise ConfigError(
                     f"{what} has elements that share memory (a stride of 0: a broadcast or "
                     "expanded view), but this collective writes its result into it; pass a "

@@ -56,9 +56,8 @@ class Client(ClientReplies):
 
     Args:
         registry: the cluster's registry address.
-        curve_keys: folder made by `dsml keys generate`; needed when the cluster uses CURVE
-            (default: DSML_CURVE_KEYS). This client's key (client.key) must be allowlisted
-            on the workers.
+        curve_keys: folder made by `dsml keys generate`; needed when the cluster uses CURVE.
+            This client's key (client.key) must be allowlisted on the workers.
         connect_timeout: how long a worker may take to accept a job before it is
             reported as unreachable.
     """
@@ -72,8 +71,6 @@ class Client(ClientReplies):
     ) -> None:
         self.registry = check_address(registry, "registry address")
         self.curve: Any = None
-        if curve_keys is None:
-            curve_keys = os.environ.get("DSML_CURVE_KEYS", "").strip() or None
         if curve_keys is not None:
             from ..transport import Curve
 

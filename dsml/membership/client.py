@@ -261,10 +261,12 @@ class RegistryClient:
 
     async def _formation_report(self, world_size: int) -> str:
         refused: list[str] = []
+        running = 0
         try:
             status = await self.status()
             joined = len(status.get("joining", []))
             refused = [str(r) for r in status.get("refused", [])]
+            running = len(status.get("members", [])) if status.get("formed") else 0
         except RegistryUnavailableError:
             joined = -1
         await self.leave()
@@ -274,6 +276,13 @@ class RegistryClient:
             f"joined the registry at {self.address}. Start the missing workers (dsml run -n "
             f"{world_size} starts them all), or lower world_size"
         )
+        if running:
+            report = (
+                f"the group did not form within {self.config.join_timeout:g} s: a group of "
+                f"{running} is running at the registry at {self.address}, which forms one "
+                f"group at a time, and this worker ({have} joined) waited for it to end. Use "
+                "another registry for another job, or leave world_size out to join that group"
+            )
         if refused:
             report += (
                 f". The registry refused {len(refused)} worker(s) meanwhile; the last: "

@@ -58,7 +58,7 @@ class RegistryCore:
         self._closed = asyncio.Event()
         self.undelivered = 0  # replies dropped: the peer was gone or did not read
         self.views_published = 0
-        self._joining: dict[str, _Joiner] = {}  # forming the first view
+        self._joining: dict[str, _Joiner] = {}  # forming a group (or waiting to: one runs)
         self._pending: dict[str, Member] = {}  # asking to join the running group
         self._proposal: _Proposal | None = None
         self._view: View | None = None
@@ -112,6 +112,7 @@ class RegistryCore:
             self._view = None
             self._live.clear()
             self._proposal = None
+            self._admit_waiting()
             return
         self._epoch += 1
         change = Change(
@@ -141,6 +142,10 @@ class RegistryCore:
         )
         for member in members:
             self._send_view(member.id, self._view, change)
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        """Hook: joiners waiting for a change of view (see RegistryJoins)."""
 
     def _send_view(self, member_id: str, view: View, change: Change) -> None:
         self._reply(member_id.encode(), Kind.VIEW_CHANGED, view.to_wire() | change.to_wire())

@@ -31,7 +31,8 @@ class RegistryJoins(RegistryCore):
         member = Member.from_wire(fields.get_map("member"))
         world_size = fields.get_int("world_size", 1, _MAX_WORLD)
         wanted = fields.get_int("rank", 0, _MAX_WORLD, optional=True)
-        running = fields.has("running") and fields.get_bool("running")
+        # absent (an older member): join whatever runs, as those did
+        running = fields.get_bool("running") if fields.has("running") else True
         if sender != member.id.encode():
             raise ProtocolError("JoinRequest identity does not match its member id")
         if self._view is not None and self._view.rank_of(member.id) is not None:
@@ -40,14 +41,17 @@ class RegistryJoins(RegistryCore):
         if member.id in self._evicted:
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": "this member id was evicted"})
             return
-        reason = self._join_refusal(member, world_size, wanted, running)
+        joins_running = self._joins_running(member.id, world_size, running)
+        reason = "" if joins_running else self._join_refusal(member, world_size, wanted)
         if reason:
             log.warning("refused %s: %s", member.describe(), reason)
             self._refused.append(f"{member.describe()}: {reason}")
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": reason})
             return
         accepted = self._settings()
-        if self._view is not None:  # a running group: admit at an agreed boundary
+        if joins_running:
+            assert self._view is not None
+            self._joining.pop(member.id, None)
             self._pending[member.id] = member
             accepted |= {"joined": len(self._pending), "world_size": self._view.size}
             self._reply(sender, Kind.JOIN_ACCEPTED, accepted | {"running": True})
@@ -56,30 +60,43 @@ class RegistryJoins(RegistryCore):
         self._joining[member.id] = _Joiner(member, world_size, wanted)
         accepted |= {"joined": len(self._joining), "world_size": world_size}
         self._reply(sender, Kind.JOIN_ACCEPTED, accepted | {"running": False})
-        if len(self._joining) == world_size:
+        if self._view is None and len(self._joining) == world_size:
             self._form_group(world_size)
 
-    def _join_refusal(
-        self, member: Member, world_size: int, wanted: int | None, running: bool
-    ) -> str:
+    def _joins_running(self, member_id: str, world_size: int, running: bool) -> bool:
+        """Does this join go into the running group (at its next boundary)? Yes for a
+        member that asked to join whatever runs, or whose world_size the group lacks (it
+        replaces a member lost, or grows the group). A member whose world_size the group
+        already has waits in `_joining` for the group to end and forms the next one: it
+        is a second job pointed here, or a re-run whose dead predecessors the registry
+        has not yet dropped. Merged into the running group, its data went into that
+        group's sums."""
+        if self._view is None:
+            return False
+        have = self._view.size + len([m for m in self._pending if m != member_id])
+        return running or world_size > have
+
+    def _admit_waiting(self) -> None:
+        """After a change of view: waiting joiners whose world_size the running group now
+        lacks join it; once no group runs, those waiting form the next one."""
+        if self._view is None:
+            sizes = {j.world_size for j in self._joining.values()}
+            if len(sizes) == 1 and len(self._joining) == next(iter(sizes)):
+                self._form_group(next(iter(sizes)))
+            return
+        for member_id, joiner in list(self._joining.items()):
+            if self._joins_running(member_id, joiner.world_size, running=False):
+                del self._joining[member_id]
+                self._pending[member_id] = joiner.member
+        if self._pending:
+            self._schedule_proposal()
+
+    def _join_refusal(self, member: Member, world_size: int, wanted: int | None) -> str:
+        """Why a member that would form (or wait to form) a group is refused, or ""."""
         try:
             check_address(member.address, "member address")
         except ConfigError as exc:
             return str(exc)
-        if self._view is not None:
-            # A running group admits a member asking for a larger world_size (it replaces
-            # one lost, or grows the group), or one that asked to join whatever runs; not
-            # one whose world_size it already has: a second job pointed here by mistake,
-            # whose data would go into this group's sums.
-            have = self._view.size + len(self._pending)
-            if not running and world_size <= have:
-                return (
-                    f"a group of world_size={have} (epoch {self._view.epoch}) is running "
-                    f"here, as large as this worker's world_size={world_size} asks for: a "
-                    "registry forms one group at a time. Leave world_size out to join the "
-                    "running group, or use another registry"
-                )
-            return ""  # its rank is the group's business
         others = [j for j in self._joining.values() if j.member.id != member.id]
         if others and others[0].world_size != world_size:
             return (
