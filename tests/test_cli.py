@@ -202,6 +202,9 @@ def test_run_m_gives_the_module_every_argument_after_it(tmp_path):
     result = dsml_cmd("run", "-n", "1", "-m", "argsprobe.show", "-n", "7", "--epochs", "3", env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.split("] ", 1)[1]) == [["-n", "7", "--epochs", "3"], "1"]
+    joined = dsml_cmd("run", "-n", "1", "-margsprobe.show", "-n", "7", "-mx", env=env)
+    assert joined.returncode == 0, joined.stderr  # -mMODULE in one word, as python takes it
+    assert json.loads(joined.stdout.split("] ", 1)[1]) == [["-n", "7", "-mx"], "1"]
     missing = dsml_cmd("run", "-n", "1", "-m")
     assert missing.returncode == 2
     assert "-m needs a MODULE" in missing.stderr

@@ -50,7 +50,25 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             help=_LOG_LEVEL_HELP,
         )
         _registry_from_env(command_parser, env.get("DSML_REGISTRY"))
+        _default_from_env(command_parser, "curve_keys", env.get("DSML_CURVE_KEYS", "").strip())
     return parser
+
+
+def _split_joined_module(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`dsml run ... -mMODULE ARGS` as `-m MODULE ARGS`: argparse reads the one-word form
+    as -m's only value and would take the module's options for dsml run's. Only among
+    dsml run's own options: a script's `-mX` is the script's."""
+    if "run" not in argv:
+        return argv
+    run = next(p for p in _subparsers(parser) if p.prog.endswith(" run"))
+    takes_value = {s for a in run._actions if a.nargs != 0 for s in a.option_strings}
+    i = argv.index("run") + 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        token = argv[i]
+        if token.startswith("-m") and len(token) > 2:
+            return [*argv[:i], "-m", token[2:], *argv[i + 1 :]]
+        i += 2 if token in takes_value else 1
+    return argv
 
 
 def _log_level(text: str) -> str:
@@ -70,6 +88,13 @@ def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentPa
                 yield from _subparsers(child)
 
 
+def _default_from_env(parser: argparse.ArgumentParser, dest: str, value: str) -> None:
+    """Make an environment variable's value the default of an option (where it is set)."""
+    for action in parser._actions:
+        if action.dest == dest and value and action.default is None:
+            action.default = value
+
+
 def _registry_from_env(parser: argparse.ArgumentParser, registry: str | None) -> None:
     """Make DSML_REGISTRY the default of a command's --registry (no longer required then)."""
     for action in parser._actions:
@@ -85,7 +110,9 @@ def _registry_from_env(parser: argparse.ArgumentParser, registry: str | None) ->
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `dsml` and `python -m dsml`; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(
+        _split_joined_module(parser, [*(sys.argv[1:] if argv is None else argv)])
+    )
     level = args.log_level or os.environ.get("DSML_LOG_LEVEL") or "warning"
     try:
         log.parse_level(level)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from ..transport import generate_keys
@@ -52,10 +51,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def add_curve_keys_option(parser: argparse.ArgumentParser, what: str) -> None:
-    """`--curve-keys DIR`, by default DSML_CURVE_KEYS (as the ranks read it)."""
-    parser.add_argument(
-        "--curve-keys",
-        metavar="DIR",
-        default=os.environ.get("DSML_CURVE_KEYS", "").strip() or None,
-        help=f"{what} (default: DSML_CURVE_KEYS)",
-    )
+    """`--curve-keys DIR`; `build_parser` makes DSML_CURVE_KEYS its default (as the ranks
+    read it)."""
+    parser.add_argument("--curve-keys", metavar="DIR", help=f"{what} (default: $DSML_CURVE_KEYS)")
