@@ -178,8 +178,8 @@ def caused_by_another_rank(type_name: str, message: str = "") -> bool:
     """True when `type_name`, an error's class as a traceback prints it
     ("dsml.errors.MemberLeftError"), is one a rank raises because another rank failed or
     left: an abort or a membership change, subclasses included, or a timeout another rank
-    gave up (`message` says so). Launchers and the daemon client name the rank with any
-    other error as a crash's root cause."""
+    gave up (`message` says so). Launchers name the rank with any other error as a crash's
+    root cause; the daemon client counts every timeout as a consequence besides."""
     module, _, name = type_name.rpartition(".")
     kind = globals().get(name) if module == __name__ else None
     if not isinstance(kind, type):

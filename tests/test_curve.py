@@ -383,8 +383,8 @@ async def test_init_without_keys_against_a_curve_registry_fails_after_the_timeou
 
 
 def test_the_commands_read_the_keys_from_dsml_curve_keys_as_the_ranks_do(keys):
-    """`dsml status` (and worker, registry, run) took keys only from --curve-keys, while
-    its own error message suggested DSML_CURVE_KEYS."""
+    """`dsml status` and `dsml registry` (and worker, run, bench: one code path) took keys
+    only from --curve-keys, while the no-answer message suggested DSML_CURVE_KEYS."""
     env = {**os.environ, "DSML_CURVE_KEYS": str(keys), "PYTHONPATH": str(ROOT)}
     dsml_cmd = [sys.executable, "-m", "dsml"]
     registry = subprocess.Popen(

@@ -106,7 +106,8 @@ def to_native(x: Any, what: str = "x", *, writes: bool = False) -> Native:
             )
     except ConfigError:
         raise
-    except Exception as exc:  # a released memoryview, a closed mmap, a format numpy lacks:
+    except (ValueError, TypeError, BufferError) as exc:  # a released memoryview, a closed
+        # mmap, a format numpy lacks:
         # a ConfigError, so that the call still takes its turn (see with_native)
         raise ConfigError(f"{what} ({type(x).__name__}) cannot be read as an array: {exc}") from exc
     if writes and not writable:
@@ -241,7 +242,7 @@ def _has_buffer(x: object) -> bool:
         memoryview(x)  # type: ignore[arg-type]
     except TypeError:
         return False
-    except Exception:  # it has the protocol, but it failed (a released view, ...)
+    except (ValueError, BufferError):  # it has the protocol, but failed (a released view)
         return True
     return True
 

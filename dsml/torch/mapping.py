@@ -70,8 +70,7 @@ async def _exchange(
         raise ValueError(
             f"all_to_all: {len(parts)} input and {len(outputs)} output parts in a group of {world}"
         )
-    sizes = np.array([p.numel() for p in parts] + [o.numel() for o in outputs], np.int64)
-    table = (await comm.all_gather(sizes, timeout=timeout)).reshape(world, 2 * world)
+    table = await _table(comm, [p.numel() for p in parts] + [o.numel() for o in outputs], timeout)
     sent, expected = table[:, :world], table[:, world:]
     if not np.array_equal(sent, expected.T):
         i, j = (int(v) for v in np.argwhere(sent != expected.T)[0])
@@ -151,9 +150,10 @@ def _split_into(outs: Tensors, gathered: Any) -> None:
         start += out.numel()
 
 
-def _code(dtype: torch.dtype) -> int:
-    """A number for a dtype that every rank computes alike (for `_table`)."""
-    return zlib.crc32(str(dtype).encode())
+def _code(what: object) -> int:
+    """A number for a dtype (or a tensors' layout) that every rank computes alike (for
+    `_table`)."""
+    return zlib.crc32(repr(what).encode())
 
 
 async def _table(

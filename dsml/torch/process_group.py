@@ -31,7 +31,6 @@ finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py.
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -152,7 +151,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         wrong = ""
         if len({(t.dtype, t.device) for t in tensors}) > 1:
             wrong = f"{what}: the tensors must all have one dtype and device"
-        layout = zlib.crc32(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode())
+        layout = _code([(tuple(t.shape), str(t.dtype)) for t in tensors])
 
         async def run(comm: Communicator) -> Tensors:
             table = await _table(comm, [bool(wrong), layout], timeout)
