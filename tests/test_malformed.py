@@ -183,6 +183,24 @@ async def test_a_joiner_advertising_an_address_that_is_not_an_address_is_not_adm
             assert all(c.world_size == 2 for c in comms)
 
 
+async def test_a_joiner_of_a_running_group_with_a_bad_address_is_not_admitted():
+    """The address check was skipped for joins into a running group (one review fix)."""
+    async with (
+        dsml.open_registry() as registry,
+        attacker() as attack,
+        form_group(registry) as comms,
+    ):
+        evil = attack.dealer(registry.address, identity=b"evil")
+        await attack.send_all(evil, [[join_request("evil", address="tcp://nowhere")]])
+        status = await status_through(evil)
+        assert any("nowhere" in str(r) for r in status["refused"]), status["refused"]
+        xs = [np.ones(2), np.ones(2)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        assert all(c.world_size == 2 for c in comms)
+        assert registry.view is not None
+        assert "evil" not in [m.id for m in registry.view.members]
+
+
 async def test_the_registry_keeps_serving_after_random_bytes_on_a_raw_tcp_connection(seed):
     rng = random.Random(seed)
     async with dsml.open_registry() as registry:

@@ -39,7 +39,7 @@ class _JoinArgs:
     device: DeviceSpec
     bind: str | None  # CommConfig.bind or DSML_BIND when given; else chosen at join
     ifname: str | None  # DSML_IFNAME
-    join_running: bool = False  # may join a running group although world_size was given
+    join_running: bool = False  # joins a running group whatever world_size says
 
 
 def _resolve(
@@ -165,8 +165,9 @@ def init(
             srun, mpirun with MASTER_ADDR/MASTER_PORT; see `dsml.launch`).
         world_size: members the group needs before it forms (default: `DSML_WORLD_SIZE`,
             else the launcher's). A group already running there admits the worker only
-            while it has fewer members (a registry forms one group at a time: a second job
-            is refused). Without one, join the group running at `address` (at its next
+            while it has fewer members; else the worker waits for it to end and forms the
+            next (a registry forms one group at a time: a second job is never merged into
+            the first). Without one, join the group running at `address` (at its next
             collective boundary).
         rank: ask for this rank (default: `DSML_RANK`, else the launcher's rank, else the
             join order).
@@ -200,9 +201,9 @@ def init_or_join(
     address: str | None, world_size: int | None, *, config: CommConfig | None, name: str | None
 ) -> Opener[Communicator]:
     """`init`, but where a group already runs at the registry, join it whatever its size
-    (`dsml.elastic`: `world_size` only forms a new group). With `init`, a running group as
-    large as `world_size` refuses the worker, so that a second job pointed at a busy
-    registry is not merged into the first."""
+    (`dsml.elastic`: `world_size` only forms a new group). With `init`, a worker whose
+    `world_size` the running group already has waits for the next group, so that a second
+    job pointed at a busy registry is not merged into the first."""
     args = _resolve(address, world_size, None, name, None, config, None, environ())
     return _opener(dataclasses.replace(args, join_running=True))
 

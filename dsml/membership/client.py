@@ -207,7 +207,8 @@ class RegistryClient:
         self, world_size: int, rank: int | None = None, *, running: bool = False
     ) -> View:
         """Join and wait until the group has formed; returns the first view. `running`:
-        a group running at the registry may admit this member (else it refuses)."""
+        a group running at the registry admits this member whatever its world_size (else
+        only while it has fewer members; the member waits for the next group otherwise)."""
         request = {
             "member": self.member.to_wire(),
             "world_size": world_size,

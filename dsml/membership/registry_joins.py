@@ -42,7 +42,7 @@ class RegistryJoins(RegistryCore):
             self._reply(sender, Kind.JOIN_REJECTED, {"reason": "this member id was evicted"})
             return
         joins_running = self._joins_running(member.id, world_size, running)
-        reason = "" if joins_running else self._join_refusal(member, world_size, wanted)
+        reason = self._join_refusal(member, world_size, wanted, forming=not joins_running)
         if reason:
             log.warning("refused %s: %s", member.describe(), reason)
             self._refused.append(f"{member.describe()}: {reason}")
@@ -91,12 +91,17 @@ class RegistryJoins(RegistryCore):
         if self._pending:
             self._schedule_proposal()
 
-    def _join_refusal(self, member: Member, world_size: int, wanted: int | None) -> str:
-        """Why a member that would form (or wait to form) a group is refused, or ""."""
+    def _join_refusal(
+        self, member: Member, world_size: int, wanted: int | None, *, forming: bool
+    ) -> str:
+        """Why a member is refused, or "": its address; and where it would form (or wait
+        to form) a group, its world_size and rank against the others'."""
         try:
             check_address(member.address, "member address")
         except ConfigError as exc:
             return str(exc)
+        if not forming:
+            return ""  # joins the running group: its rank is the group's business
         others = [j for j in self._joining.values() if j.member.id != member.id]
         if others and others[0].world_size != world_size:
             return (
