@@ -7,9 +7,12 @@ elements) cross many pipeline chunks and the zero-copy path without costing test
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
+import dsml
 from dsml import CommConfig
 from dsml.testing import open_local_cluster
 from tests.reference import DTYPE_NAMES, OPS, dtype, inputs, reduce_reference, same_bytes, valid
@@ -203,3 +206,14 @@ async def test_concurrent_collectives_match_by_program_order():
         results = await cluster.run(many)
         for i in range(8):
             assert (results[0][i] == sum(range(4)) + 4 * i).all()
+
+
+async def test_cluster_run_calls_every_rank_when_the_call_refuses_its_arguments_at_once():
+    # all_reduce raises ConfigError when called (not awaited): cluster.run must still make
+    # the call on every rank, or the ranks after the first fall a collective behind.
+    async with open_local_cluster(3) as cluster:
+        with pytest.raises(dsml.ConfigError, match="avg"):
+            await cluster.run(lambda c: c.all_reduce(np.ones(3, dtype=bool), op="avg"))
+        xs = [np.full(4, float(r)) for r in range(3)]
+        await asyncio.wait_for(cluster.run(lambda c: c.all_reduce(xs[c.rank])), 10)
+        assert [x.tolist() for x in xs] == [[3.0] * 4] * 3

@@ -54,9 +54,16 @@ class InProcessCluster:
     async def run(self, fn: Callable[[Communicator], Awaitable[T]]) -> list[T]:
         """Call fn(comm) on every rank concurrently; results in rank order.
 
-        Every rank's outcome is awaited before the first exception (if any) is raised.
+        Every rank's outcome is awaited before the first exception (if any) is raised,
+        and fn is called on every rank even where it raises at once (a collective that
+        refuses its arguments raises `ConfigError` when called, not when awaited): skipping
+        the ranks after it would leave them a collective behind the others.
         """
-        outcomes = await asyncio.gather(*(fn(c) for c in self.comms), return_exceptions=True)
+
+        async def on(comm: Communicator) -> T:
+            return await fn(comm)
+
+        outcomes = await asyncio.gather(*(on(c) for c in self.comms), return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
