@@ -228,9 +228,10 @@ def test_bad_launch_flags_are_refused_before_any_rank_starts():
 def test_interrupting_the_launcher_reaches_every_rank_and_ends_them():
     proc, pids = start_waiting_ranks(2)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert out.count("interrupted") == 2
+    assert "dsml run: interrupted by SIGINT: 2 ranks stopped\n" in err, err
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -338,8 +339,10 @@ def test_sigterm_to_the_launcher_lets_every_rank_close():
 def test_ranks_that_ignore_the_stop_signal_are_killed_after_the_grace_period():
     proc, pids = start_waiting_ranks(2, "ignore_sigint.py", "--grace", "1")
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=30)  # would hang if the launcher waited forever
+    _, err = proc.communicate(timeout=30)  # would hang if the launcher waited forever
     assert proc.returncode == 130
+    assert "interrupted by SIGTERM: 2 ranks stopped, 2 of them killed" in err, err
+    assert "(SIGKILL after --grace 1 s)" in err
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -211,6 +211,7 @@ class Launch:
         self.failures: list[Failure] = []
         self.cpus = cpu_sets(len(self.ranks), cpu_bind)  # per local rank; None: unbound
         self.interrupted = 0
+        self._signals: list[str] = []  # the signals this launcher got, in order
         self._env = dict(os.environ if env is None else env)
         if node is None and not (self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT")):
             # torch.distributed's env:// rendezvous (dist.init_process_group("dsml") under
@@ -366,6 +367,7 @@ class Launch:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.interrupted += 1
+        self._signals.append(sig.name)
         if self.interrupted > 1:
             self._kill_all(signal.SIGKILL)
             return
@@ -383,6 +385,17 @@ class Launch:
                     continue
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)  # each rank leads its own session and group
+
+    def interrupt_report(self) -> str:
+        """One line for the end of an interrupted run: by what, and how the ranks ended
+        (each rank's own output already shows where it was)."""
+        killed = sum(1 for p in self._procs if p.returncode == -signal.SIGKILL)
+        stopped = len(self._procs)
+        how = f"{stopped} rank{'s' if stopped != 1 else ''} stopped"
+        if killed:
+            why = "a second signal" if self.interrupted > 1 else f"--grace {self._grace_s:g} s"
+            how += f", {killed} of them killed (SIGKILL after {why})"
+        return f"dsml run: interrupted by {self._signals[0]}: {how}"
 
     def exit_code(self) -> int:
         """The launcher's exit code (again after late reports from other nodes)."""

@@ -175,6 +175,8 @@ async def launch(
         code = await launch.run()
         if launch.failure is not None:
             print(launch.failure.report(), file=sys.stderr, flush=True)
+        elif launch.interrupted:
+            print(launch.interrupt_report(), file=sys.stderr, flush=True)
         return code
 
 
@@ -265,6 +267,8 @@ async def launch_node(
             await asyncio.sleep(0.1)  # a last relayed report may be on its way
         if launch.failure is not None:
             print(launch.failure.report(), file=sys.stderr, flush=True)
+        elif launch.interrupted:
+            print(launch.interrupt_report(), file=sys.stderr, flush=True)
         return launch.exit_code()
 
 
