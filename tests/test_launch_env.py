@@ -201,6 +201,20 @@ def test_arguments_win_over_dsml_variables_which_win_over_the_launcher() -> None
     assert (plan.registry, plan.world_size, plan.rank) == ("tcp://arg:2", 4, 1)
 
 
+def test_a_dsml_world_size_overriding_the_launchers_is_warned_about(caplog) -> None:
+    caplog.set_level("WARNING", logger="dsml.launch")
+    resolve_rendezvous(None, None, None, TORCHRUN | {"DSML_WORLD_SIZE": "3"})
+    assert "DSML_WORLD_SIZE=3 overrides the world size 4 set by torchrun" in caplog.text
+    caplog.clear()
+    resolve_rendezvous(None, 3, None, TORCHRUN)  # an argument means it: no warning
+    resolve_rendezvous(None, None, None, TORCHRUN | {"DSML_WORLD_SIZE": "4"})  # they agree
+    # `dsml run` inside an srun step: its ranks inherit the step's one-task variables
+    inner = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "n1"}
+    inner |= {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    resolve_rendezvous(None, None, None, inner | {"DSML_WORLD_SIZE": "4", "DSML_RANK": "2"})
+    assert caplog.text == ""
+
+
 def test_the_launchers_rank_is_dropped_for_a_group_of_another_size() -> None:
     plan = resolve_rendezvous("tcp://h:1", 2, None, TORCHRUN)
     assert plan.world_size == 2

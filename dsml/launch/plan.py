@@ -11,6 +11,7 @@ serves it on a port of its own and publishes that address in the agent's store.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from ..config import env_int
 from ..errors import ConfigError
 from ..transport import check_address
 from .env import LauncherEnv, detect_launcher
+
+log = logging.getLogger("dsml.launch")
 
 __all__ = ["Hosting", "Rendezvous", "resolve_rendezvous"]
 
@@ -86,6 +89,8 @@ def resolve_rendezvous(
     size = _first(world_size, env_int(env, "DSML_WORLD_SIZE"))
     if size is None and launcher is not None:
         size = launcher.world_size
+    elif world_size is None and launcher is not None:
+        _warn_overridden(launcher, size, env)
     if size is not None and (type(size) is not int or size < 1):
         raise ConfigError(
             f"world_size must be a positive integer (argument or DSML_WORLD_SIZE), got {size!r}"
@@ -111,6 +116,24 @@ def resolve_rendezvous(
             "under torchrun, srun or mpirun (with MASTER_ADDR and MASTER_PORT)"
         )
     return _launcher_rendezvous(launcher, size, rank, local_rank)
+
+
+def _warn_overridden(launcher: LauncherEnv, size: int | None, env: Mapping[str, str]) -> None:
+    """DSML_WORLD_SIZE differs from the launcher's world size: often a variable exported in
+    the shell and forgotten, so say so, as the job would otherwise wait out its join
+    timeout for ranks that never come. Not under `dsml run`, which sets DSML_RANK too (an
+    outer launcher's variables, e.g. an srun step's, may be inherited there)."""
+    if launcher.world_size in (None, size) or "DSML_RANK" in env:
+        return
+    log.warning(
+        "DSML_WORLD_SIZE=%s overrides the world size %s set by %s (%s); unset it unless "
+        "this group really needs %s members",
+        size,
+        launcher.world_size,
+        launcher.launcher,
+        launcher.variables,
+        size,
+    )
 
 
 def _launcher_rendezvous(
