@@ -287,11 +287,19 @@ async def _print_forever(comm):
         await asyncio.sleep(0.01)
 
 
-async def test_a_worker_whose_client_vanished_mid_job_survives_and_goes_idle():
+@pytest.mark.parametrize("job", [_print_forever, _sleep_forever], ids=["printing", "silent"])
+async def test_a_worker_whose_client_vanished_mid_job_survives_and_goes_idle(job):
+    # A silent job sends the client nothing but the repeated acceptance: that send failing
+    # is what tells the daemon, which used to stay busy with it for good.
     async with dsml.LocalCluster(1) as cluster:
         client = cluster.client()
-        task = asyncio.create_task(client.run(_print_forever))
-        await eventually(lambda: bool(client._jobs), "the job started")
+        task = asyncio.create_task(client.run(job))
+
+        def accepted() -> bool:  # so no first answer of the daemon's can find it gone
+            jobs = list(client._jobs.values())
+            return bool(jobs) and all(f.done() for f in jobs[0].accepted)
+
+        await eventually(accepted, "the job was accepted", within=10)
         await asyncio.sleep(0.3)
         for channel in list(client._channels.values()):  # gone without a word
             await channel.aclose(linger_s=0)

@@ -315,8 +315,12 @@ class WorkerDaemon:
                     group = advertised(registry.address, toward=self.config.registry)
                 assert group is not None
                 self._send(job, Kind.JOB_ACCEPTED, {"group": group})
-                with _forwarding(self, job):
-                    result = await self._call(job, group, fn, args)
+                keepalive = asyncio.get_running_loop().create_task(self._keep_telling(job, group))
+                try:
+                    with _forwarding(self, job):
+                        result = await self._call(job, group, fn, args)
+                finally:
+                    keepalive.cancel()
                 header, frames = pack_value(result)
                 _check_sizes(frames, MAX_JOB_FRAME)
             except asyncio.CancelledError:
@@ -336,6 +340,15 @@ class WorkerDaemon:
                 task = asyncio.get_running_loop().create_task(_close_job_registry(registry))
                 self._closing_registries.add(task)
                 task.add_done_callback(self._closing_registries.discard)
+
+    async def _keep_telling(self, job: _Job, group: str) -> None:
+        """Repeat JOB_ACCEPTED every heartbeat interval while the job runs (the client
+        ignores a repeat): a send that fails is how the daemon learns that its client is
+        gone, and a job that prints nothing would otherwise never send, keeping this
+        daemon busy with a dead client's job for good."""
+        while not job.client_gone:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            self._send(job, Kind.JOB_ACCEPTED, {"group": group})
 
     async def _call(self, job: _Job, group: str, fn: Any, args: tuple[Any, ...]) -> Any:
         comm_config = dataclasses.replace(
