@@ -127,6 +127,33 @@ def test_a_failing_rank_is_reported_with_its_cause_by_the_launchers_of_every_nod
         assert "RuntimeError: rank 3 cannot find its batch" in report
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("interrupted", [0, 1])
+def test_ctrl_c_on_one_node_is_named_as_the_cause_by_every_launcher(interrupted: int) -> None:
+    port = free_port_pair()
+    nodes = [start_node(n, port, "wait_forever.py") for n in (0, 1)]
+    try:
+        for node in nodes:  # both ranks of each node joined and wait
+            assert node.stdout is not None
+            ready = [node.stdout.readline() for _ in range(2)]
+            assert all("ready" in line for line in ready), ready
+        nodes[interrupted].send_signal(signal.SIGINT)
+        results = finish(*nodes)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    other = 1 - interrupted
+    code, _, err = results[interrupted]
+    assert code == 130, err
+    assert "dsml run: interrupted by SIGINT: 2 ranks stopped" in err
+    code, _, err = results[other]
+    assert code == 130, err  # was 1, naming one of its ranks that failed because of it
+    assert f"dsml run: node {interrupted} (" in err, err
+    assert "was interrupted by SIGINT; the other ranks were stopped." in err
+    assert "failed (exit code" not in err
+
+
 async def test_check_running_group_refuses_a_launch_of_another_world_size() -> None:
     async with open_local_cluster(2) as cluster:
         await check_running_group(cluster.registry.address, 2)  # the same size: fine

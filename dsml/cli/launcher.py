@@ -105,10 +105,13 @@ class Failure:
     tail: list[str] = field(default_factory=list)
     node: int | None = None  # with --nnodes: the node it ran on
     host: str = ""
+    signal: str = ""  # not a rank's failure: that node's launcher got this signal (SIGINT)
 
     @property
     def consequence(self) -> bool:
         """True when this rank only failed because another one did (as its error says)."""
+        if self.signal:
+            return False  # an interrupted node is the cause of what its peers then see
         error = _error_of(self.tail) or self.tail[-1:]
         if not error:
             return False
@@ -116,6 +119,11 @@ class Failure:
         return caused_by_another_rank(name, message)
 
     def report(self) -> str:
+        if self.signal:
+            return (
+                f"dsml run: node {self.node} ({self.host}) was interrupted by {self.signal}; "
+                "the other ranks were stopped."
+            )
         where = f" on node {self.node} ({self.host})" if self.node is not None else ""
         lines = [
             f"dsml run: rank {self.rank}{where} failed ({describe_exit(self.code)}); "
@@ -368,6 +376,11 @@ class Launch:
     def _on_signal(self, sig: signal.Signals) -> None:
         self.interrupted += 1
         self._signals.append(sig.name)
+        if self.interrupted == 1 and self.on_failure is not None and self.node is not None:
+            # Tell the other nodes (through node 0) that this node was interrupted, so they
+            # name that, not one of their ranks failing with MemberLeftError because of it.
+            here = socket.gethostname()
+            self.on_failure(Failure(-1, 128 + sig.value, [], self.node, here, sig.name))
         if self.interrupted > 1:
             self._kill_all(signal.SIGKILL)
             return
@@ -402,11 +415,11 @@ class Launch:
         return self._exit_code()
 
     def _exit_code(self) -> int:
+        if self.interrupted:  # what happened here comes first: 130, as after any Ctrl-C
+            return 130
         if self.failure is not None:
             code = self.failure.code
             return code if code > 0 else 128 - code
-        if self.interrupted:
-            return 130
         codes = [p.returncode or 0 for p in self._procs]
         return next((c if c > 0 else 128 - c for c in codes if c), 0)
 

@@ -104,6 +104,7 @@ def _failure_body(failure: Failure) -> dict[str, Any]:
         "node": failure.node if failure.node is not None else -1,
         "host": failure.host,
         "tail": failure.tail[-_TAIL_LINES:],
+        "signal": failure.signal,
     }
 
 
@@ -111,11 +112,12 @@ def _failure_from(body: Any) -> Failure:
     fields = Fields(body, "LaunchFailed")
     node = fields.get_int("node", -1, _MAX_NODES)
     return Failure(
-        rank=fields.get_int("rank", 0, 1 << 31),
+        rank=fields.get_int("rank", -1, 1 << 31),  # -1: the node itself (interrupted)
         code=fields.get_int("code", -255, 255),
         tail=fields.get_str_list("tail", _TAIL_LINES, 4096),
         node=None if node < 0 else node,
         host=fields.get_str("host", 256),
+        signal=fields.get_str("signal", 16, optional=True) or "",  # absent: an older launcher
     )
 
 

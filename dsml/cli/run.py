@@ -173,10 +173,10 @@ async def launch(
             argv, world_size, registry, grace_s=grace_s, env=_rank_env(curve_keys), **options
         )
         code = await launch.run()
-        if launch.failure is not None:
-            print(launch.failure.report(), file=sys.stderr, flush=True)
-        elif launch.interrupted:
+        if launch.interrupted:
             print(launch.interrupt_report(), file=sys.stderr, flush=True)
+        elif launch.failure is not None:
+            print(launch.failure.report(), file=sys.stderr, flush=True)
         return code
 
 
@@ -265,10 +265,10 @@ async def launch_node(
             launch.on_failure = node.report
             await node.done(await launch.run())
             await asyncio.sleep(0.1)  # a last relayed report may be on its way
-        if launch.failure is not None:
-            print(launch.failure.report(), file=sys.stderr, flush=True)
-        elif launch.interrupted:
+        if launch.interrupted:
             print(launch.interrupt_report(), file=sys.stderr, flush=True)
+        elif launch.failure is not None:
+            print(launch.failure.report(), file=sys.stderr, flush=True)
         return launch.exit_code()
 
 
