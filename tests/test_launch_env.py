@@ -233,6 +233,15 @@ def test_nothing_naming_a_registry_explains_every_way_to_name_one() -> None:
         resolve_rendezvous(None, None, None, {"LOCAL_RANK": "0"})
 
 
+def test_rank_without_world_size_says_which_is_missing() -> None:
+    env = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    with pytest.raises(ConfigError, match="RANK is set but WORLD_SIZE is not"):
+        resolve_rendezvous(None, None, None, env)
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    with pytest.raises(ConfigError, match="WORLD_SIZE is set but RANK is not"):
+        resolve_rendezvous(None, None, None, env)
+
+
 def test_a_rank_out_of_range_is_refused() -> None:
     with pytest.raises(ConfigError, match="out of range"):
         resolve_rendezvous(None, None, None, {"RANK": "4", "WORLD_SIZE": "4"})

@@ -110,10 +110,15 @@ def resolve_rendezvous(
         check_address(registry, "registry address")
         return Rendezvous(registry, size, rank, local_rank, launcher=name)
     if launcher is None:
+        half = [name for name in ("RANK", "WORLD_SIZE") if name in env]
+        hint = ""
+        if len(half) == 1:  # an env-style launch needs both to be recognised
+            missing = "WORLD_SIZE" if half == ["RANK"] else "RANK"
+            hint = f" ({half[0]} is set but {missing} is not: a launcher like torchrun sets both)"
         raise ConfigError(
             "no registry address: call dsml.init('tcp://host:port', world_size=N), set "
             "DSML_REGISTRY, start the script with `dsml run -n N script.py`, or start it "
-            "under torchrun, srun or mpirun (with MASTER_ADDR and MASTER_PORT)"
+            f"under torchrun, srun or mpirun (with MASTER_ADDR and MASTER_PORT){hint}"
         )
     return _launcher_rendezvous(launcher, size, rank, local_rank)
 
