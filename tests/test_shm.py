@@ -112,6 +112,22 @@ def test_sweeping_removes_segments_of_killed_processes_but_not_of_live_ones(tag:
     mine.close()
 
 
+def test_a_view_no_shared_memory_call_can_use_makes_no_segment(tag: str) -> None:
+    # Two ranks share this host, the third has shared memory off (DSML_SHM=0): no call
+    # runs in shared memory (not all local; hosts of unequal size), so no names are made
+    # for a crash to leave behind. With all three local, the link is made at once.
+    pid = os.getpid()
+    members = [HostMember(f"{tag}r{r}", "host", "id", pid) for r in range(2)]
+    plane = SameHost(enabled=True, stage_bytes=1 << 20, max_data_bytes=1 << 30)
+    try:
+        plane.set_view(1, [*members, HostMember(f"{tag}r2", "host", "", pid)], 0)
+        assert leftovers(tag) == []
+        plane.set_view(2, [*members, HostMember(f"{tag}r2", "host", "id", pid)], 0)
+        assert leftovers(tag) != []
+    finally:
+        plane.close()
+
+
 # -- the link and the algorithm, across real processes ----------------------------------------
 
 

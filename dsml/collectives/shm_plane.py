@@ -119,11 +119,14 @@ class SameHost:
         self.cut: Callable[[str], bool] | None = None
 
     def set_view(self, epoch: int, members: Sequence[HostMember], me: int) -> None:
-        """Adopt a view (members in rank order, `me` this rank); drops the old link and
-        makes this rank's end of the new one now, so peers find it early."""
+        """Adopt a view (members in rank order, `me` this rank); drops the old link and,
+        where a call can use one (the whole group on this host, or hosts with as many
+        ranks each), makes this rank's end of the new one now, so peers find it early.
+        Not otherwise: a link no call uses would keep its names in /dev/shm (they are
+        removed once the peers mapped them, at the first call) for a crash to leave."""
         self.close()
         self._epoch, self._members, self._me = epoch, list(members), me
-        if len(self.local_ranks) > 1:
+        if len(self.local_ranks) > 1 and (self.all_local or self.ring_ranks() is not None):
             with contextlib.suppress(ShmFullError):  # the first call that needs it says so
                 self._make_link()
 
