@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from os import PathLike
 from types import TracebackType
 from typing import Any, TypeVar
 
 from .blocking_loop import Handle, LoopThread
+from .collectives.cost import Choice
 from .communicator import Communicator
 from .communicator import init as async_init
+from .communicator.view_changes import ViewListener
 from .engine import Engine, Tagged, Var
-from .errors import ConfigError
+from .errors import ConfigError, RegistryUnavailableError
 from .membership import View
 
 __all__ = ["BlockingCommunicator", "BlockingEngine", "Handle", "LoopThread", "init"]
@@ -44,9 +47,10 @@ Array = Any
 class BlockingCommunicator:
     """A communicator whose calls block (see the module docstring). Make with `init`."""
 
-    def __init__(self, comm: Communicator, loop: LoopThread) -> None:
+    def __init__(self, comm: Communicator, loop: LoopThread, *, owns_loop: bool = True) -> None:
         self._comm = comm
         self._loop = loop
+        self._owns_loop = owns_loop  # a sub-communicator shares its parent's loop
         self._engine: BlockingEngine | None = None
         self._closed = False
 
@@ -85,6 +89,33 @@ class BlockingCommunicator:
     def statistics(self) -> dict[str, int]:
         self._check_open("statistics")
         return self._loop.call(self._comm.statistics)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """This rank's recent calls (see `Communicator.stats`)."""
+        self._check_open("stats")
+        return self._loop.call(self._comm.stats)
+
+    def trace(self) -> dict[str, Any]:
+        """The recent calls as a Chrome trace (see `Communicator.trace`)."""
+        self._check_open("trace")
+        return self._loop.call(self._comm.trace)
+
+    def write_trace(self, path: str | PathLike[str]) -> None:
+        """Write `trace()` as JSON to path."""
+        self._check_open("write_trace")
+        self._loop.call(lambda: self._comm.write_trace(path))
+
+    def all_reduce_choice(self, nbytes: int) -> Choice:
+        """What `auto` would run for an all_reduce of nbytes (see the async method)."""
+        self._check_open("all_reduce_choice")
+        return self._loop.call(lambda: self._comm.all_reduce_choice(nbytes))
+
+    def on_view_change(self, callback: ViewListener) -> Callable[[], None]:
+        """Call callback(old, new) at each new view; returns the function that removes it.
+        The callback runs on the communicator's loop thread, not the caller's."""
+        self._check_open("on_view_change")
+        remove = self._loop.call(lambda: self._comm.on_view_change(callback))
+        return lambda: self._loop.call(remove)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -208,6 +239,26 @@ class BlockingCommunicator:
             handle = self._loop.start(start(self._comm), what)
         return handle if async_op else handle.wait()
 
+    # -- sub-communicators ------------------------------------------------------------------
+    # Collectives: every rank calls them, blocking (no async_op). The sub-communicators
+    # share this one's loop thread; closing one leaves the group it made, not the thread.
+
+    def split(
+        self, color: int | None, key: int | None = None, *, timeout: float | None = None
+    ) -> BlockingCommunicator | None:
+        """Split the group, one sub-communicator per colour (see `Communicator.split`)."""
+        self._check_open("split")
+        sub = self._loop.run(self._comm.split(color, key, timeout=timeout), "split")
+        return None if sub is None else BlockingCommunicator(sub, self._loop, owns_loop=False)
+
+    def new_group(
+        self, ranks: Sequence[int], *, timeout: float | None = None
+    ) -> BlockingCommunicator | None:
+        """A sub-communicator of `ranks`; None on other ranks (see `Communicator.new_group`)."""
+        self._check_open("new_group")
+        sub = self._loop.run(self._comm.new_group(ranks, timeout=timeout), "new_group")
+        return None if sub is None else BlockingCommunicator(sub, self._loop, owns_loop=False)
+
     # -- the dependency engine --------------------------------------------------------------
 
     @property
@@ -234,7 +285,8 @@ class BlockingCommunicator:
         try:
             self._loop.run(self._comm.aclose(), "close")
         finally:
-            self._loop.stop()
+            if self._owns_loop:
+                self._loop.stop()
 
     def __enter__(self) -> BlockingCommunicator:
         return self
@@ -251,7 +303,8 @@ class BlockingCommunicator:
         try:
             self._loop.run(self._comm.__aexit__(exc_type, exc, tb), "close")
         finally:
-            self._loop.stop()
+            if self._owns_loop:
+                self._loop.stop()
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -363,8 +416,18 @@ def init(
     async def join() -> Communicator:
         return await async_init(address, world_size, **options)
 
+    blocked = _foreign_loop_running(loop.loop)  # this thread's own loop waits meanwhile
     try:
         comm = loop.run(join(), "init")
+    except RegistryUnavailableError as exc:
+        loop.stop()
+        if not blocked:
+            raise
+        raise RegistryUnavailableError(
+            f"{exc} (this thread's event loop was blocked while it waited: a registry "
+            "served from that loop, as after `await dsml.open_registry()` in a notebook, "
+            "cannot answer; use `await dsml.init(...)` there)"
+        ) from exc
     except BaseException:
         loop.stop()
         raise

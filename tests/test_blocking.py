@@ -82,6 +82,55 @@ def test_blocking_collectives_return_results_and_reduce_in_place():
         assert out["scatter"].tolist() == np.array_split(np.arange(6), 3)[rank].tolist()
 
 
+def test_sub_communicators_stats_and_traces_are_there_as_in_the_async_api(tmp_path: Path):
+    def body(comm: BlockingCommunicator) -> dict[str, Any]:
+        views: list[Any] = []
+        remove = comm.on_view_change(lambda old, new: views.append(new))
+        halves = comm.split(comm.rank % 2, key=-comm.rank)
+        assert halves is not None
+        x = np.full(2, float(comm.rank))
+        halves.all_reduce(x)
+        pair = comm.new_group([0, 1])
+        if pair is not None:
+            pair.barrier()
+            pair.close()  # leaves the pair; the parent's loop thread keeps running
+        halves.close()
+        comm.all_reduce(np.ones(1))  # the parent still works
+        remove()
+        path = tmp_path / f"trace{comm.rank}.json"
+        comm.write_trace(path)
+        return {
+            "x": x.tolist(),
+            "sub_rank": halves.rank,
+            "kinds": [record["kind"] for record in comm.stats()],
+            "trace": "traceEvents" in comm.trace() and path.stat().st_size > 0,
+            "choice": comm.all_reduce_choice(1 << 20).algorithm,
+            "paired": pair is not None,
+            "views": views,
+        }
+
+    results = on_ranks(4, body)
+    for rank, out in enumerate(results):
+        assert out["x"] == [2.0, 2.0] if rank % 2 == 0 else [4.0, 4.0]
+        assert out["sub_rank"] == (1 - rank // 2)  # key=-rank: the higher rank first
+        assert out["kinds"][-1] == "all_reduce"
+        assert out["trace"]
+        assert isinstance(out["choice"], str)
+        assert out["paired"] == (rank < 2)
+        assert out["views"] == []  # no member came or went
+
+
+def test_a_blocking_init_that_blocks_the_loop_serving_the_registry_says_so():
+    async def in_a_cell() -> None:  # a notebook cell: the kernel's loop serves the registry
+        async with dsml.open_registry("tcp://127.0.0.1:0") as reg:
+            with pytest.raises(dsml.RegistryUnavailableError, match=r"await dsml\.init"):
+                dsml.blocking.init(
+                    reg.address, 1, config=dsml.CommConfig(join_timeout=1.0, registry_timeout=1.0)
+                )
+
+    asyncio.run(in_a_cell())
+
+
 def test_async_op_gives_a_handle_that_waits_and_says_when_it_is_done():
     def body(comm: BlockingCommunicator) -> list[float]:
         xs = [np.full(3, float(comm.rank + i)) for i in range(4)]
