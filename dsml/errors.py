@@ -37,7 +37,8 @@ class DsmlError(Exception):
 
 
 class ConfigError(DsmlError, ValueError):
-    """An argument, setting or local input is invalid; nothing was sent."""
+    """An argument, setting or local input is invalid; no data was sent (a refused
+    collective still takes its turn, so the peers' matching call fails too)."""
 
 
 class ProtocolError(DsmlError):
