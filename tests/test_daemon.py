@@ -313,6 +313,24 @@ async def test_a_worker_whose_client_vanished_mid_job_survives_and_goes_idle(job
             await task
 
 
+async def _tagged(comm, tag):
+    await asyncio.sleep(0.5)
+    return (tag, comm.world_size)
+
+
+async def test_two_clients_choosing_the_same_idle_worker_both_get_one():
+    # Both list the same two idle daemons and choose the first; the one refused as busy
+    # chooses again (nothing ran), rather than failing while the other daemon is idle.
+    async with dsml.LocalCluster(2) as cluster:
+        first, second = cluster.client(), cluster.client()
+        for _ in range(3):
+            results = await asyncio.gather(
+                first.run(_tagged, "A", workers=1), second.run(_tagged, "B", workers=1)
+            )
+            assert results == [[("A", 1)], [("B", 1)]]
+            await _idle(first, 2)
+
+
 def _exit(comm):
     raise SystemExit(3)
 

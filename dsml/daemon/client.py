@@ -11,7 +11,8 @@ that disconnects) cancels the job on every other worker and raises; so does canc
 A daemon that died while idle stays listed until the registry's heartbeat timeout. If one
 is chosen, its address refuses the connection; since no rank calls `fn` before every rank
 joined the job's group, nothing ran anywhere, so `run` chooses again without it (up to
-`_ATTEMPTS` times) instead of failing.
+`_ATTEMPTS` times) instead of failing. The same for a daemon that refuses the job as busy:
+another client chose it from the same list, a moment earlier.
 
 Choosing workers, submitting the job, waiting for it and cancelling it are here; the
 records of workers and jobs are in client_jobs.py, the handling of what the workers send
@@ -43,12 +44,21 @@ from ..wire import Kind
 from .client_jobs import WorkerInfo, _Job
 from .client_replies import _UNREACHABLE, ClientReplies
 from .interrupt import interrupt_cancels
-from .protocol import MAX_JOB_FRAME, JobSpec, encode_job, envelope, job_config
+from .protocol import BUSY, MAX_JOB_FRAME, JobSpec, encode_job, envelope, job_config
 
 __all__ = ["Client", "WorkerInfo"]
 
 _CANCEL_WAIT_S = 5.0  # after a failure or a cancel, time the other ranks get to report
 _ATTEMPTS = 3  # choices of workers per run, when chosen daemons turn out to be gone
+_BUSY_RETRY_S = 0.2  # a daemon's beacon says at once when it takes a job
+
+
+def _nothing_ran(exc: RemoteError) -> bool:
+    """Whether the job failed before fn could run anywhere: a chosen daemon refused the
+    connection, or refused the job because another client's job had just taken it."""
+    if isinstance(exc, WorkerLostError):
+        return exc.error_type == _UNREACHABLE
+    return exc.error_type == "refused" and BUSY in str(exc)
 
 
 class Client(ClientReplies):
@@ -184,10 +194,12 @@ class Client(ClientReplies):
                         f"job {label} did not finish within {timeout:g} s; it was cancelled "
                         "on every worker"
                     ) from None
-                except WorkerLostError as exc:
-                    if exc.error_type != _UNREACHABLE or attempt >= _ATTEMPTS:
+                except RemoteError as exc:
+                    if not _nothing_ran(exc) or attempt >= _ATTEMPTS:
                         raise
                     attempt += 1  # nothing ran anywhere: choose again, without that daemon
+                    if exc.error_type == "refused":  # let the registry hear it is busy
+                        await asyncio.sleep(_BUSY_RETRY_S)
 
     async def _attempt(
         self, label: str, frames: list[Any], wanted: int | None, config: CommConfig | None

@@ -23,6 +23,7 @@ from ..transport import check_address
 from ..wire import Envelope, Fields, Kind
 
 __all__ = [
+    "BUSY",
     "MAX_JOB_FRAME",
     "MAX_OUTPUT_CHARS",
     "JobSpec",
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 MAX_OUTPUT_CHARS = 16 * 1024  # text of one JOB_OUTPUT message
+BUSY = "the worker is busy with job"  # how a JOB_REFUSED reason starts when it is busy
 MAX_JOB_FRAME = 1 << 30  # one frame of a job's arguments or result (a job socket's limit)
 _MAX_WORLD = 1 << 16
 

@@ -38,6 +38,7 @@ from ..transport.addresses import advertised
 from ..wire import Envelope, Fields, Kind
 from ..wire.values import pack_value
 from .protocol import (
+    BUSY,
     MAX_JOB_FRAME,
     JobSpec,
     apply_job_config,
@@ -233,7 +234,7 @@ class WorkerDaemon:
         elif current.cancelled and current.client == sender and self._next is None:
             self._next = job  # the client's previous job is still winding down
         else:
-            self._refuse(job, f"the worker is busy with job {current.spec.job}")
+            self._refuse(job, f"{BUSY} {current.spec.job}")
 
     def _refuse(self, job: _Job, reason: str) -> None:
         log.warning("refused job %s: %s", job.spec.job, reason)
