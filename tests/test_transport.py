@@ -72,6 +72,26 @@ async def test_an_endpoint_binds_an_os_chosen_port_and_reports_it():
         assert ep.address in repr(ep)
 
 
+async def test_an_ipc_path_a_live_endpoint_holds_is_refused_and_a_stale_one_reused(tmp_path):
+    address = f"ipc://{tmp_path / 'reg.ipc'}"
+    inbox = Inbox()
+    first = Endpoint.bind(address, inbox, max_frame_bytes=1 << 20)
+    try:  # ZeroMQ alone would take the path over and cut the first endpoint off
+        with pytest.raises(ConfigError, match="something is listening there already"):
+            Endpoint.bind(address, Inbox(), max_frame_bytes=1 << 20)
+        async with channel(address, b"c") as ch:
+            ch.send_nowait(chunk(1))
+            sender, env, _ = await inbox.next()  # the first one still serves the path
+            assert (sender, env.step) == (b"c", 1)
+    finally:
+        await first.aclose()
+    stale = tmp_path / "stale.ipc"
+    with socket.socket(socket.AF_UNIX) as left:
+        left.bind(str(stale))  # bound, never listening: what a killed process leaves
+    again = Endpoint.bind(f"ipc://{stale}", Inbox(), max_frame_bytes=1 << 20)
+    await again.aclose()
+
+
 async def test_messages_arrive_in_order_with_the_sender_identity_and_every_frame():
     inbox = Inbox()
     async with endpoint(inbox) as ep, channel(ep.address, b"worker-a") as ch:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,6 +88,7 @@ class Endpoint:
         queued per connected peer before ZeroMQ stops reading from it (backpressure).
         """
         check_address(address, "bind address")
+        _refuse_live_ipc(address)
         sock = new_socket(
             zmq.ROUTER,
             MAXMSGSIZE=max_frame_bytes,
@@ -341,3 +344,23 @@ class Channel:
 
     def __repr__(self) -> str:
         return f"<Channel to {self.address}{' closed' if self.closed else ''}>"
+
+
+def _refuse_live_ipc(address: str) -> None:
+    """An ipc:// path something still listens on is in use: ZeroMQ would unlink it and
+    bind anew, silently cutting that endpoint (a running registry) off. A stale file (a
+    socket nobody listens on) is fine to bind over, as a crashed process leaves one."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://") :]
+    if not path or path.startswith("@") or not os.path.exists(path):  # "@": abstract
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # refused (stale), or not a socket: ZeroMQ says what it thinks of it
+    finally:
+        probe.close()
+    raise ConfigError(f"cannot bind {address}: something is listening there already")
