@@ -148,6 +148,23 @@ async def test_the_trace_holds_collectives_and_engine_ops_on_one_timeline(tmp_pa
     assert issued - 1e3 <= call["ts"] <= call["ts"] + call["dur"] <= awaited + 1e3
 
 
+async def test_collectives_made_before_the_engine_existed_get_no_negative_time():
+    # Perfetto refuses ts < 0: time 0 is the earliest span when one began before the engine.
+    async with open_local_cluster(2, config=CommConfig(engine_trace=True)) as cluster:
+
+        async def work(comm):
+            await comm.all_reduce(np.ones(8))  # the engine is made after this
+            await asyncio.sleep(0.01)
+            comm.push_all_reduce(comm.engine.tag("g", np.ones(4)))
+            await comm.engine.wait_all()
+            return comm.trace()
+
+        trace = (await cluster.run(work))[0]
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in slices if e["cat"] == "collectives"][:1] == ["all_reduce #1"]
+    assert min(e["ts"] for e in slices) == 0.0
+
+
 async def test_collectives_are_torch_profiler_spans_when_torch_is_imported():
     """One rank, as in a training process (the profiler nests spans per thread, so the
     interleaved calls of several in-process ranks are not what it is for)."""

@@ -178,10 +178,7 @@ class CommunicatorInfo:
         spans = [record.span() for record in self._runner.stats.recent]
         if self.config.engine_trace:
             return self.engine.trace(extra=spans)
-        recorder = TraceRecorder()
-        if spans:
-            recorder.origin = min(span.start for span in spans)
-        return recorder.chrome_trace(f"dsml rank {self.rank}", spans)
+        return TraceRecorder().chrome_trace(f"dsml rank {self.rank}", spans)
 
     def write_trace(self, path: str | PathLike[str]) -> None:
         """Write `trace()` to `path` as JSON (open it at https://ui.perfetto.dev)."""

@@ -63,6 +63,9 @@ class TraceRecorder:
         """Return the whole trace as a JSON-able dict, with `extra` spans (a communicator's
         collectives) beside the recorded ones."""
         spans = [*self.spans, *extra]
+        # Time 0 is the recorder's start, or the earliest span if one began before it (a
+        # communicator's collectives made before its engine was): Perfetto refuses ts < 0.
+        self.origin = min([self.origin, *(span.start for span in spans)])
         events = [_meta("process_name", 0, {"name": process_name})]
         events += self._pool_events(spans)
         for place, title, first_tid in (
