@@ -306,6 +306,9 @@ class Client(ClientReplies):
             return
         self._closed = True
         for job in list(self._jobs.values()):
+            job.closed = DsmlError(
+                f"the client was closed while job {job.label} ran; it was cancelled on every worker"
+            )
             await self._cancel(job)
             for rank in range(len(job.workers)):  # nothing can answer once channels close
                 job.fail(rank, RemoteError("the client was closed", rank=rank))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RemoteError, caused_by_another_rank
+from ..errors import DsmlError, RemoteError, caused_by_another_rank
 
 __all__ = ["WorkerInfo"]
 
@@ -75,6 +75,7 @@ class _Job:
         self.reported: set[int] = set()  # ranks that sent JobResult or JobRefused
         self.cancelled = False  # JobCancel went out (once is enough)
         self.errors: list[RemoteError] = []  # in the order they arrived
+        self.closed: DsmlError | None = None  # the client was closed while it ran
         self.partial: dict[tuple[int, str], str] = {}  # an output line still being written
         self.config: dict[str, Any] = {}  # CommConfig settings for the job's communicator
         # The caller's context: output printed in it reaches the caller's notebook cell
@@ -94,7 +95,9 @@ class _Job:
             self.errors.append(error)
             self.results[rank].set_exception(error)
 
-    def root_cause(self) -> RemoteError:
+    def root_cause(self) -> DsmlError:
+        if self.closed is not None:  # the workers' CancelledErrors only follow from it
+            return self.closed
         for error in self.errors:
             kind = error.error_type
             if kind not in _ALSO_CONSEQUENCES and not caused_by_another_rank(kind):
