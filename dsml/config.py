@@ -63,7 +63,8 @@ class CommConfig:
         shm: members on the same host exchange data through shared memory (/dev/shm);
             on by default (`DSML_SHM=0` or `shm=False` turns it off; docs/shm.md).
         shm_stage_bytes: how much of one rank's input is in shared memory at once
-            (larger arrays go through in pieces).
+            (larger arrays go through in pieces). The same on every rank: calls between
+            ranks that differ fail with `CollectiveMismatchError`.
         shm_max_bytes: the most /dev/shm one rank's data segment may take; a collective
             that needs more goes over TCP (one warning).
     """

@@ -315,6 +315,40 @@ async def test_ranks_calling_different_shapes_fail_with_a_mismatch_on_every_rank
         assert all((y == 3).all() for y in ys)
 
 
+@pytest.mark.parametrize("kind", ["all_reduce", "broadcast", "reduce_scatter"])
+async def test_ranks_with_different_staging_sizes_fail_on_every_rank_saying_so(kind: str):
+    # The staging size cuts the data into pieces: ranks that differ read each other's
+    # areas wrongly (wrong sums on some ranks, a timeout on another, before this check).
+    stages = [4096, 3 << 20, 8 << 20]
+    async with dsml.open_registry("tcp://127.0.0.1:0") as reg:
+        comms = await asyncio.gather(
+            *(
+                dsml.init(reg.address, 3, rank=r, config=dsml.CommConfig(shm_stage_bytes=s))
+                for r, s in enumerate(stages)
+            )
+        )
+        try:
+            xs = [np.full(3_000_001, r + 1, np.float32) for r in range(3)]
+            calls = {
+                "all_reduce": lambda c, x: c.all_reduce(x),
+                "broadcast": lambda c, x: c.broadcast(x, 1),
+                "reduce_scatter": lambda c, x: c.reduce_scatter(x),
+            }
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    *(calls[kind](c, x) for c, x in zip(comms, xs, strict=True)),
+                    return_exceptions=True,
+                ),
+                10,
+            )
+            for result in results:
+                assert isinstance(result, dsml.CollectiveMismatchError), results
+                assert "shm_stage_bytes" in str(result)
+            assert all((x == r + 1).all() for r, x in enumerate(xs))  # inputs intact
+        finally:
+            await asyncio.gather(*(c.aclose() for c in comms))
+
+
 async def test_without_room_in_dev_shm_large_arrays_go_over_tcp_with_one_warning() -> None:
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)

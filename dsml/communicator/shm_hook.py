@@ -180,11 +180,14 @@ class ShmHook:
     async def _run(self, call: Call, algorithm: Callable[[ShmCall], Awaitable[T]]) -> T:
         fp = call.fingerprint
         if fp is not self._record_of[0]:  # plans reuse the fingerprint of repeated calls
-            self._record_of = (fp, msgpack.packb(fp.to_wire()))
+            # The staging size too: it sets how the data is cut into pieces, so ranks
+            # with different shm_stage_bytes would read each other's areas wrongly.
+            self._record_of = (fp, msgpack.packb([fp.to_wire(), self._stage_bytes]))
         record = self._record_of[1]
+        stage = self._stage_bytes
 
         def check(peer: int, theirs: bytes) -> CollectiveMismatchError | None:
-            return _mismatch(call, peer, theirs)
+            return _mismatch(call, peer, theirs, stage)
 
         await self._wait_turn(call)
         if self._crowded:
@@ -293,16 +296,26 @@ class _Ring:
         return await self._call.recv(self._ranks[peer], step, chunk, nbytes=nbytes, lane=lane)
 
 
-def _mismatch(call: Call, peer: int, theirs: bytes) -> CollectiveMismatchError | None:
-    """The error for a peer's entry record unlike this call's (None: compatible)."""
+def _mismatch(call: Call, peer: int, theirs: bytes, stage: int) -> CollectiveMismatchError | None:
+    """The error for a peer's entry record ([fingerprint, shm_stage_bytes]) unlike this
+    call's (None: compatible)."""
     try:
-        other = Fingerprint.from_wire(msgpack.unpackb(theirs))
-    except (ProtocolError, ValueError, msgpack.UnpackException):
-        other = Fingerprint("(an unreadable or overlong fingerprint)")
+        wire, their_stage = msgpack.unpackb(theirs)
+        other = Fingerprint.from_wire(wire)
+    except (ProtocolError, ValueError, TypeError, msgpack.UnpackException):
+        other, their_stage = Fingerprint("(an unreadable or overlong fingerprint)"), stage
     if not call.fingerprint.conflicts(other):
-        return None
+        if their_stage == stage:
+            return None
+        message = (
+            f"collective #{call.cid} cannot run in shared memory: rank {call.rank} has "
+            f"shm_stage_bytes={stage} but rank {peer} has {their_stage!r}; give every rank "
+            "the same CommConfig(shm_stage_bytes=...)"
+        )
+    else:
+        message = mismatch_message(call.cid, call.rank, call.fingerprint, peer, other)
     return CollectiveMismatchError(
-        mismatch_message(call.cid, call.rank, call.fingerprint, peer, other),
+        message,
         ranks=(call.rank, peer),
         rank=call.rank,
         epoch=call.epoch,
