@@ -199,8 +199,8 @@ async def _skip(comm, xs):
         (lambda c: c.reduce(np.ones(3), root=-1), "root=-1"),
         (lambda c: c.all_reduce([1.0, 2.0]), "must be a numpy array"),
         (lambda c: c.all_reduce(np.ones(3), timeout=-1), "timeout"),
-        (lambda c: c.send(np.ones(3), dst=c.rank), "must be another rank"),
-        (lambda c: c.recv(src=9), "must be another rank"),
+        (lambda c: c.send(np.ones(3), dst=c.rank), "that is this rank, which cannot send to"),
+        (lambda c: c.recv(src=9), r"must be another rank of this group \(ranks are 0\.\.2\)"),
     ],
 )
 async def test_invalid_input_raises_config_error_on_every_rank_before_sending(bad, message):

@@ -63,9 +63,13 @@ class PointToPoint:
         size, rank = self._table.size, self._table.rank
         peer_rank, tag_value = as_int(peer), as_int(tag)
         if peer_rank is None or not 0 <= peer_rank < size or peer_rank == rank:
-            raise ConfigError(
-                f"{what}={peer!r} must be another rank of this group (0..{size - 1}, not {rank})"
+            verb = "send to" if what == "dst" else "receive from"
+            why = (
+                f"that is this rank, which cannot {verb} itself"
+                if peer_rank == rank
+                else f"ranks are 0..{size - 1}"
             )
+            raise ConfigError(f"{what}={peer!r} must be another rank of this group ({why})")
         if tag_value is None or not 0 <= tag_value <= _MAX_TAG:
             raise ConfigError(f"tag={tag!r} must be an integer in [0, 2**31)")
         return peer_rank, tag_value
