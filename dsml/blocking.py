@@ -419,16 +419,13 @@ def init(
     blocked = _foreign_loop_running(loop.loop)  # this thread's own loop waits meanwhile
     try:
         comm = loop.run(join(), "init")
-    except RegistryUnavailableError as exc:
+    except BaseException as exc:
         loop.stop()
-        if not blocked:
-            raise
-        raise RegistryUnavailableError(
-            f"{exc} (this thread's event loop was blocked while it waited: a registry "
-            "served from that loop, as after `await dsml.open_registry()` in a notebook, "
-            "cannot answer; use `await dsml.init(...)` there)"
-        ) from exc
-    except BaseException:
-        loop.stop()
+        if blocked and isinstance(exc, RegistryUnavailableError):
+            raise RegistryUnavailableError(
+                f"{exc} (this thread's event loop was blocked while it waited: a registry "
+                "served from that loop, as after `await dsml.open_registry()` in a notebook, "
+                "cannot answer; use `await dsml.init(...)` there)"
+            ) from exc
         raise
     return BlockingCommunicator(comm, loop)

@@ -219,7 +219,7 @@ class Launch:
         self.failures: list[Failure] = []
         self.cpus = cpu_sets(len(self.ranks), cpu_bind)  # per local rank; None: unbound
         self.interrupted = 0
-        self._signals: list[str] = []  # the signals this launcher got, in order
+        self._stopped_by = ""  # the first signal this launcher got (SIGINT, SIGTERM)
         self._env = dict(os.environ if env is None else env)
         if node is None and not (self._env.get("MASTER_ADDR") and self._env.get("MASTER_PORT")):
             # torch.distributed's env:// rendezvous (dist.init_process_group("dsml") under
@@ -375,7 +375,7 @@ class Launch:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.interrupted += 1
-        self._signals.append(sig.name)
+        self._stopped_by = self._stopped_by or sig.name
         if self.interrupted == 1 and self.on_failure is not None and self.node is not None:
             # Tell the other nodes (through node 0) that this node was interrupted, so they
             # name that, not one of their ranks failing with MemberLeftError because of it.
@@ -408,7 +408,7 @@ class Launch:
         if killed:
             why = "a second signal" if self.interrupted > 1 else f"--grace {self._grace_s:g} s"
             how += f", {killed} of them killed (SIGKILL after {why})"
-        return f"dsml run: interrupted by {self._signals[0]}: {how}"
+        return f"dsml run: interrupted by {self._stopped_by}: {how}"
 
     def exit_code(self) -> int:
         """The launcher's exit code (again after late reports from other nodes)."""

@@ -173,11 +173,16 @@ async def launch(
             argv, world_size, registry, grace_s=grace_s, env=_rank_env(curve_keys), **options
         )
         code = await launch.run()
-        if launch.interrupted:
-            print(launch.interrupt_report(), file=sys.stderr, flush=True)
-        elif launch.failure is not None:
-            print(launch.failure.report(), file=sys.stderr, flush=True)
+        _print_outcome(launch)
         return code
+
+
+def _print_outcome(launch: Launch) -> None:
+    """The launcher's last word: what interrupted it, else the root cause of a failure."""
+    if launch.interrupted:
+        print(launch.interrupt_report(), file=sys.stderr, flush=True)
+    elif launch.failure is not None:
+        print(launch.failure.report(), file=sys.stderr, flush=True)
 
 
 async def check_running_group(registry: str, world_size: int, curve: Any = None) -> None:
@@ -265,10 +270,7 @@ async def launch_node(
             launch.on_failure = node.report
             await node.done(await launch.run())
             await asyncio.sleep(0.1)  # a last relayed report may be on its way
-        if launch.interrupted:
-            print(launch.interrupt_report(), file=sys.stderr, flush=True)
-        elif launch.failure is not None:
-            print(launch.failure.report(), file=sys.stderr, flush=True)
+        _print_outcome(launch)
         return launch.exit_code()
 
 
