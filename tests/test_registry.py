@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -130,18 +131,33 @@ async def test_a_joiner_after_the_group_formed_is_admitted_at_the_next_collectiv
             assert comm.epoch == 2
 
 
-async def test_a_second_job_waits_for_the_running_group_and_never_joins_it():
+async def test_a_second_job_waits_for_the_running_group_and_never_joins_it(
+    caplog: pytest.LogCaptureFixture,
+):
     """It was admitted into the running group, whatever world_size it asked for: its data
     went into the first job's sums. Now it waits for that group to end (a registry forms
-    one group at a time), failing at its join timeout with a message that says so."""
+    one group at a time), saying so at once in a warning, and failing at its join timeout
+    with a message that says so too. The running ranks are of this very process (a
+    notebook re-running its `init` cell without closing): both say to close them first."""
     async with dsml.open_registry() as registry:
         comms = await join_one_by_one(registry, [None, None])
         async with closing(comms):
             quick = CommConfig(join_timeout=1.5, registry_timeout=5)
             for size in (1, 2):
-                with pytest.raises(JoinTimeoutError, match="a group of 2 is running") as late:
+                caplog.clear()
+                started = time.time()
+                with (
+                    caplog.at_level(logging.WARNING, "dsml.membership"),
+                    pytest.raises(JoinTimeoutError, match="a group of 2 is running") as late,
+                ):
                     await dsml.init(registry.address, size, config=quick)
                 assert "forms one group at a time" in str(late.value)
+                assert "rank(s) 0, 1 of it run in this very process" in str(late.value)
+                warned = [r for r in caplog.records if "waits for it to end" in r.message]
+                assert len(warned) == 1, caplog.text
+                assert warned[0].created - started < 1.0  # at once, not at the timeout
+                assert f"a group of 2 (epoch {comms[0].epoch}) is running" in warned[0].message
+                assert "Rank(s) 0, 1 of that group run in this very process" in warned[0].message
             xs = [np.full(3, 1.0), np.full(3, 2.0)]
             await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
             assert all((x == 3.0).all() for x in xs)

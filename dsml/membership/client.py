@@ -54,6 +54,8 @@ class RegistryClient:
         self.heartbeat_interval = 1.0
         self.heartbeat_timeout = 10.0
         self.last_heard = time.monotonic()  # when the registry last said anything to us
+        #: ranks of the running group in this process, when this join waits for it to end
+        self._own_ranks: list[int] = []
         self._replies: Mailbox[Envelope] = Mailbox()
         self._view_changed = asyncio.Event()
         self._channel: Channel | None = None
@@ -227,6 +229,8 @@ class RegistryClient:
             self.heartbeat_interval = fields.get_float("heartbeat_interval", 1e-3, 3600.0)
             if fields.has("heartbeat_timeout"):
                 self.heartbeat_timeout = fields.get_float("heartbeat_timeout", 2e-3, 36000.0)
+            if fields.has("waits_for"):
+                self._warn_waiting(fields.get_map("waits_for"))
         asked, unanswered = time.monotonic(), 0
         try:
             async with asyncio.timeout(self.config.join_timeout):
@@ -244,6 +248,26 @@ class RegistryClient:
             raise JoinTimeoutError(await self._formation_report(world_size)) from None
         assert self.view is not None
         return self.view
+
+    def _warn_waiting(self, running: Fields) -> None:
+        """A group runs at the registry and this join waits for it to end: say so now,
+        not only when join_timeout runs out."""
+        size, epoch = running.get_int("size", 1), running.get_int("epoch", 0)
+        mine = running.int_list("mine", 0, 1 << 16)
+        message = (
+            f"a group of {size} (epoch {epoch}) is running at the registry at "
+            f"{self.address}, which forms one group at a time: this worker waits for it "
+            f"to end (at most join_timeout, {self.config.join_timeout:g} s)"
+        )
+        if mine:
+            ranks = ", ".join(map(str, mine))
+            message += (
+                f". Rank(s) {ranks} of that group run in this very process: close that "
+                "communicator first (await comm.aclose()), as when re-running a notebook "
+                "cell that calls dsml.init"
+            )
+            self._own_ranks = mine
+        log.warning("%s", message)
 
     def _check_registry_answers(self, unanswered: int) -> None:
         """While the group forms, every join request sent again gets an answer. Requests
@@ -284,6 +308,11 @@ class RegistryClient:
                 f"group at a time, and this worker ({have} joined) waited for it to end. Use "
                 "another registry for another job, or leave world_size out to join that group"
             )
+            if self._own_ranks:
+                report += (
+                    f"; rank(s) {', '.join(map(str, self._own_ranks))} of it run in this "
+                    "very process: close that communicator first (await comm.aclose())"
+                )
         if refused:
             report += (
                 f". The registry refused {len(refused)} worker(s) meanwhile; the last: "

@@ -9,6 +9,7 @@ largest is the boundary), and ends the epoch of a member that leaves.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ..errors import ConfigError, ProtocolError
 from ..transport import check_address
@@ -59,6 +60,8 @@ class RegistryJoins(RegistryCore):
             return
         self._joining[member.id] = _Joiner(member, world_size, wanted)
         accepted |= {"joined": len(self._joining), "world_size": world_size}
+        if self._view is not None:  # it waits for the running group to end: say so
+            accepted |= self._running_group(member)
         self._reply(sender, Kind.JOIN_ACCEPTED, accepted | {"running": False})
         if self._view is None and len(self._joining) == world_size:
             self._form_group(world_size)
@@ -75,6 +78,18 @@ class RegistryJoins(RegistryCore):
             return False
         have = self._view.size + len([m for m in self._pending if m != member_id])
         return running or world_size > have
+
+    def _running_group(self, member: Member) -> dict[str, Any]:
+        """What a joiner that waits for the next group is told of the running one: its
+        size, epoch, and the ranks that run in the joiner's own process (a notebook that
+        calls `init` again without closing the communicator it made before)."""
+        assert self._view is not None
+        mine = [
+            rank
+            for rank, m in enumerate(self._view.members)
+            if m.pid == member.pid and m.host == member.host and member.pid > 0
+        ]
+        return {"waits_for": {"size": self._view.size, "epoch": self._view.epoch, "mine": mine}}
 
     def _admit_waiting(self) -> None:
         """After a change of view: waiting joiners whose world_size the running group now
