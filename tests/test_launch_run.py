@@ -300,3 +300,37 @@ def test_node_shapes_give_ranks_by_node_and_refuse_impossible_ones() -> None:
 def test_node_zero_refuses_to_serve_an_address_of_another_host() -> None:
     with pytest.raises(dsml.ConfigError, match="not an address of this host"):
         node_zero_bind("tcp://203.0.113.77:29500")  # TEST-NET-3: nobody's; only a bind is tried
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_launcher_killed_is_named_lost_by_the_other_after_its_beats_stop(killed: int) -> None:
+    """kill -9 of one node's launcher (as when its host goes down: its ranks die with it,
+    by PDEATHSIG). The other launcher stops hearing its beats on the link and, LOST_S
+    later, names that node as the cause (it named one of its own ranks, or, with ranks
+    that were not in a collective, waited for them forever)."""
+    from dsml.cli.nodes import LOST_S
+
+    port = free_port_pair()
+    nodes = [start_node(n, port, "wait_forever.py") for n in (0, 1)]
+    try:
+        for node in nodes:  # both ranks of each node joined and wait
+            assert node.stdout is not None
+            ready = [node.stdout.readline() for _ in range(2)]
+            assert all("ready" in line for line in ready), ready
+        killed_at = time.monotonic()
+        nodes[killed].kill()
+        nodes[killed].communicate()
+        [(code, _, err)] = finish(nodes[1 - killed], timeout=LOST_S + 30)
+        took = time.monotonic() - killed_at
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert code == 1, err
+    report = err[err.rindex("dsml run: ") :]
+    assert report.startswith(f"dsml run: node {killed} ({socket.gethostname()}) was lost"), err
+    assert f"its launcher was not heard from for {LOST_S:g} s" in report
+    assert "the other ranks were stopped." in report
+    assert LOST_S - 1 <= took < LOST_S + 25, took

@@ -106,12 +106,13 @@ class Failure:
     node: int | None = None  # with --nnodes: the node it ran on
     host: str = ""
     signal: str = ""  # not a rank's failure: that node's launcher got this signal (SIGINT)
+    lost: str = ""  # not a rank's failure: that node's launcher was lost (how it was noticed)
 
     @property
     def consequence(self) -> bool:
         """True when this rank only failed because another one did (as its error says)."""
-        if self.signal:
-            return False  # an interrupted node is the cause of what its peers then see
+        if self.signal or self.lost:
+            return False  # an interrupted or lost node is the cause of what its peers see
         error = _error_of(self.tail) or self.tail[-1:]
         if not error:
             return False
@@ -123,6 +124,11 @@ class Failure:
             return (
                 f"dsml run: node {self.node} ({self.host}) was interrupted by {self.signal}; "
                 "the other ranks were stopped."
+            )
+        if self.lost:
+            return (
+                f"dsml run: node {self.node} ({self.host or 'unknown host'}) was lost: "
+                f"{self.lost}; the other ranks were stopped."
             )
         where = f" on node {self.node} ({self.host})" if self.node is not None else ""
         lines = [

@@ -11,13 +11,21 @@ When a rank fails, its launcher reports it (LAUNCH_FAILED: node, rank, exit code
 lines of its error output); node 0 passes every report on to all the other launchers, so
 each stops its ranks and prints the root cause. A launcher whose ranks all ended says so
 (LAUNCH_DONE); node 0 keeps the registry up until every node has.
+
+Every launcher beats on the link each second (LAUNCH_BEAT; node 0 answers each). A node
+0 that hears nothing from a node for LOST_S, or a node that hears nothing from node 0,
+takes that node's launcher for lost (killed, or its host went down: its ranks die with
+it) and reports it as the root cause, as a failed rank is reported, instead of whichever
+of its own ranks then fails because peers vanished.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +43,8 @@ _MAX_MESSAGE_BYTES = 1 << 20
 _MAX_NODES = 1 << 14
 _TAIL_LINES = 64
 _DROPS_BEFORE_ANSWER = 5
+BEAT_S = 1.0  # launchers beat on the link this often ...
+LOST_S = 10.0  # ... and one not heard from for this long is lost
 
 #: Called with each failure reported by another node's launcher.
 FailureSink = Callable[[Failure], None]
@@ -105,6 +115,7 @@ def _failure_body(failure: Failure) -> dict[str, Any]:
         "host": failure.host,
         "tail": failure.tail[-_TAIL_LINES:],
         "signal": failure.signal,
+        "lost": failure.lost,
     }
 
 
@@ -118,7 +129,14 @@ def _failure_from(body: Any) -> Failure:
         node=None if node < 0 else node,
         host=fields.get_str("host", 256),
         signal=fields.get_str("signal", 16, optional=True) or "",  # absent: an older launcher
+        lost=fields.get_str("lost", 256, optional=True) or "",
     )
+
+
+def _lost(node: int, host: str) -> Failure:
+    """A node whose launcher was not heard from for LOST_S."""
+    reason = f"its launcher was not heard from for {LOST_S:g} s (killed, or its host is down)"
+    return Failure(rank=-1, code=1, node=node, host=host, lost=reason)
 
 
 class NodeBoard:
@@ -129,8 +147,12 @@ class NodeBoard:
         self._on_failure = on_failure
         self._endpoint: Endpoint | None = None
         self._nodes: dict[bytes, int] = {}  # identity -> node rank, welcomed
+        self._hosts: dict[bytes, str] = {}  # identity -> the host it said it runs on
+        self._heard: dict[bytes, float] = {}  # identity -> when it last said anything
         self._done: set[int] = set()
+        self._lost: set[int] = set()
         self._changed = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
 
     def open(self, address: str, curve: Any = None) -> NodeBoard:
         self._endpoint = Endpoint.bind(
@@ -141,11 +163,17 @@ class NodeBoard:
             name="launch-board",
             curve=curve,
         )
+        self._watch = asyncio.get_running_loop().create_task(self._watch_nodes())
         return self
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        if sender in self._nodes:
+            self._heard[sender] = asyncio.get_running_loop().time()
         if env.kind is Kind.LAUNCH_HELLO:
             self.handle_launch_hello(sender, env)
+        elif env.kind is Kind.LAUNCH_BEAT and sender in self._nodes:
+            assert self._endpoint is not None
+            self._endpoint.send_nowait(sender, Envelope(Kind.LAUNCH_BEAT, body={}))
         elif env.kind is Kind.LAUNCH_FAILED and sender in self._nodes:
             self.handle_launch_failed(sender, env)
         elif env.kind is Kind.LAUNCH_DONE and sender in self._nodes:
@@ -172,7 +200,28 @@ class NodeBoard:
             )
             return
         self._nodes[sender] = theirs.node_rank
-        self._endpoint.send_nowait(sender, Envelope(Kind.LAUNCH_WELCOME, body={}))
+        self._hosts[sender] = (
+            Fields(env.body, "LaunchHello").get_str("host", 256, optional=True) or ""
+        )
+        self._heard[sender] = asyncio.get_running_loop().time()
+        welcome = {"host": socket.gethostname()}
+        self._endpoint.send_nowait(sender, Envelope(Kind.LAUNCH_WELCOME, body=welcome))
+
+    async def _watch_nodes(self) -> None:
+        """Every welcomed node still running beats; one silent for LOST_S is lost."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(BEAT_S)
+            for identity, node in self._nodes.items():
+                silent = loop.time() - self._heard.get(identity, loop.time())
+                if node in self._done or node in self._lost or silent < LOST_S:
+                    continue
+                self._lost.add(node)
+                failure = _lost(node, self._hosts.get(identity) or "")
+                log.warning("%s", failure.report())
+                self._relay(failure, but=identity)
+                self._on_failure(failure)
+                self._changed.set()
 
     def handle_launch_failed(self, sender: bytes, env: Envelope) -> None:
         failure = _failure_from(env.body)
@@ -195,12 +244,12 @@ class NodeBoard:
         gone from the registry (no member left) for grace_s (a launcher killed)."""
         gone_since: float | None = None
         loop = asyncio.get_running_loop()
-        while len(self._done) < len(self._nodes):
+        while len(self._done | self._lost) < len(self._nodes):
             self._changed.clear()
             if group_gone():
                 gone_since = gone_since if gone_since is not None else loop.time()
                 if loop.time() - gone_since >= grace_s:
-                    missing = sorted(set(self._nodes.values()) - self._done)
+                    missing = sorted(set(self._nodes.values()) - self._done - self._lost)
                     log.warning("nodes %s never said their ranks ended", missing)
                     return
             else:
@@ -212,8 +261,16 @@ class NodeBoard:
                 pass
 
     async def aclose(self) -> None:
+        await _cancel(self._watch)
         if self._endpoint is not None:
             await self._endpoint.aclose()
+
+
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class NodeLink:
@@ -225,6 +282,9 @@ class NodeLink:
         self._channel: Channel | None = None
         self._answer: asyncio.Future[Envelope] | None = None
         self._drops = 0  # connections lost before node 0 answered
+        self._heard = 0.0  # when node 0 last said anything
+        self._host0 = ""  # node 0's host, from its welcome
+        self._beat: asyncio.Task[None] | None = None
 
     async def open(self, address: str, *, timeout_s: float, curve: Any = None) -> NodeLink:
         """Say hello to node 0 and wait for its welcome.
@@ -244,7 +304,8 @@ class NodeLink:
             on_refused=self._on_refused,
             on_disconnect=self._on_disconnect,
         )
-        await self._channel.send(Envelope(Kind.LAUNCH_HELLO, body=self.shape.to_wire()))
+        hello = self.shape.to_wire() | {"host": socket.gethostname()}
+        await self._channel.send(Envelope(Kind.LAUNCH_HELLO, body=hello))
         try:
             async with asyncio.timeout(timeout_s):
                 answer = await self._answer
@@ -262,7 +323,21 @@ class NodeLink:
             await self.aclose()
             reason = Fields(answer.body, "LaunchRefused").get_str("reason", 4096)
             raise ConfigError(f"node 0 refused node {self.shape.node_rank}: {reason}")
+        self._host0 = Fields(answer.body, "LaunchWelcome").get_str("host", 256, optional=True)
+        self._beat = asyncio.get_running_loop().create_task(self._beat_node_zero())
         return self
+
+    async def _beat_node_zero(self) -> None:
+        """Beat each second; node 0 silent for LOST_S is lost (reported once)."""
+        loop = asyncio.get_running_loop()
+        while self._channel is not None and not self._channel.closed:
+            self._channel.send_nowait(Envelope(Kind.LAUNCH_BEAT, body={}))
+            await asyncio.sleep(BEAT_S)
+            if loop.time() - self._heard >= LOST_S:
+                failure = _lost(0, self._host0 or "")
+                log.warning("%s", failure.report())
+                self._on_failure(failure)
+                return
 
     def _on_refused(self, reason: str) -> None:
         self._fail_hello(f"node 0's launcher refused the connection: {reason}")
@@ -283,6 +358,9 @@ class NodeLink:
             )
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
+        self._heard = asyncio.get_running_loop().time()
+        if env.kind is Kind.LAUNCH_BEAT:
+            return
         if env.kind in (Kind.LAUNCH_WELCOME, Kind.LAUNCH_REFUSED):
             if self._answer is not None and not self._answer.done():
                 self._answer.set_result(env)
@@ -301,5 +379,6 @@ class NodeLink:
             await self._channel.send(Envelope(Kind.LAUNCH_DONE, body={"code": code}))
 
     async def aclose(self) -> None:
+        await _cancel(self._beat)
         if self._channel is not None and not self._channel.closed:
             await self._channel.aclose()

@@ -59,3 +59,4 @@ class Kind(enum.IntEnum):
     LAUNCH_REFUSED = 42  # node 0: "you do not belong to this job" (reason)
     LAUNCH_FAILED = 43  # launcher: "rank r failed" (node, host, exit code, last lines)
     LAUNCH_DONE = 44  # launcher: "all my ranks ended" (exit code)
+    LAUNCH_BEAT = 45  # launcher <-> node 0: "still here" (every second; node 0 answers)
