@@ -165,6 +165,37 @@ async def test_a_second_job_waits_for_the_running_group_and_never_joins_it(
             assert registry.status()["refused"] == []
 
 
+async def test_a_worker_waiting_for_the_group_to_end_is_not_admitted_as_its_members_close():
+    """The members of the running group close one after another (the job ends). Each
+    close shrank the group, and a worker waiting with the job's world_size was admitted
+    into it as a replacement, then lost its last peers at its first call (a probe, 3/3).
+    Closed seats are not free: it waits for the group to end and forms the next one."""
+    async with dsml.open_registry() as registry:
+        comms = list(
+            await asyncio.gather(*(dsml.init(registry.address, 3, config=FAST) for _ in range(3)))
+        )
+        late = asyncio.ensure_future(dsml.init(registry.address, 3, config=FAST))
+        try:
+            await eventually(lambda: joining(registry) == 1, "the late worker waits")
+            for comm in comms:
+                await comm.aclose()
+                await asyncio.sleep(0.2)  # one at a time: the group shrinks, epoch by epoch
+            assert registry.view is None  # the first group ended without it
+            assert not late.done()
+            assert joining(registry) == 1
+            more = [dsml.init(registry.address, 3, config=FAST) for _ in range(2)]
+            group = list(await asyncio.gather(late, *more))
+        finally:
+            if not late.done():
+                late.cancel()
+        async with closing(group):
+            assert sorted(c.rank for c in group) == [0, 1, 2]
+            assert len({c.epoch for c in group}) == 1
+            xs = [np.full(2, float(i)) for i in range(3)]
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(group, xs, strict=True)))
+            assert all((x == 3.0).all() for x in xs)
+
+
 async def test_a_rerun_after_its_group_died_forms_once_the_registry_drops_the_dead():
     """A re-run of the same size while the dead group was still listed was refused at
     once (by the first form of the rule above); it waits, then forms a new group."""

@@ -60,6 +60,9 @@ class RegistryCore:
         self.views_published = 0
         self._joining: dict[str, _Joiner] = {}  # forming a group (or waiting to: one runs)
         self._pending: dict[str, Member] = {}  # asking to join the running group
+        #: members of the running group that left it by closing (not lost): their seats are
+        #: not free for a worker that waits with the job's world_size (see RegistryJoins)
+        self._left_seats = 0
         self._proposal: _Proposal | None = None
         self._view: View | None = None
         self._change = Change()
@@ -110,6 +113,7 @@ class RegistryCore:
         if not members:
             log.info("epoch %d ended: no members left; ready for a new group", self._epoch)
             self._view = None
+            self._left_seats = 0
             self._live.clear()
             self._proposal = None
             self._admit_waiting()
@@ -163,6 +167,7 @@ class RegistryCore:
         while len(self._evicted) > _MAX_EVICTED:
             del self._evicted[next(iter(self._evicted))]
         self._proposal = None  # the members' answers refer to the epoch that just ended
+        self._left_seats += len(left)
         joiners = tuple(self._pending.values()) if survivors else ()
         self._pending = {} if survivors else self._pending
         change = Change(

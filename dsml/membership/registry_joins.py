@@ -73,11 +73,13 @@ class RegistryJoins(RegistryCore):
         already has waits in `_joining` for the group to end and forms the next one: it
         is a second job pointed here, or a re-run whose dead predecessors the registry
         has not yet dropped. Merged into the running group, its data went into that
-        group's sums."""
+        group's sums. Members that left by closing still count as had: a group whose
+        members close one after another is ending, and a worker waiting for it to end
+        was admitted into it as they did (then lost its last peers at its first call)."""
         if self._view is None:
             return False
         have = self._view.size + len([m for m in self._pending if m != member_id])
-        return running or world_size > have
+        return running or world_size > have + self._left_seats
 
     def _running_group(self, member: Member) -> dict[str, Any]:
         """What a joiner that waits for the next group is told of the running one: its
