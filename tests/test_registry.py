@@ -17,6 +17,7 @@ from dsml import (
     CommConfig,
     ConfigError,
     JoinTimeoutError,
+    MemberLeftError,
     RegistryConfig,
     RegistryUnavailableError,
 )
@@ -194,6 +195,40 @@ async def test_a_worker_waiting_for_the_group_to_end_is_not_admitted_as_its_memb
             xs = [np.full(2, float(i)) for i in range(3)]
             await asyncio.gather(*(c.all_reduce(x) for c, x in zip(group, xs, strict=True)))
             assert all((x == 3.0).all() for x in xs)
+
+
+async def test_a_member_closing_before_it_entered_the_new_view_holds_up_no_call_there():
+    """C closes; A enters the view without C at its next call and waits there for B; B
+    closes without having entered it, its `last` collective counted in the old view's
+    numbering. Relayed as it was, A took its own call #1 of the new view for one that B
+    had done and waited for B's data until its timeout (a probe saw a worker hang so).
+    It now counts as no call there: A's call fails at once, and the next runs alone."""
+    async with dsml.open_registry() as registry:
+        a, b, c = await asyncio.gather(
+            *(dsml.init(registry.address, 3, config=FAST) for _ in range(3))
+        )
+        xs = [np.ones(2) for _ in range(3)]
+        for _ in range(5):  # B's `last` is #5
+            await asyncio.gather(*(m.all_reduce(x) for m, x in zip((a, b, c), xs, strict=True)))
+        await c.aclose()
+        await eventually(lambda: registry.view is not None and registry.view.size == 2, "C left")
+        try:
+            x = np.full(2, 7.0)
+            with pytest.raises(MemberLeftError, match="rank 2 left the group"):
+                await a.all_reduce(x, timeout=5)  # the first call after a leave fails
+            waiting = asyncio.ensure_future(a.all_reduce(x, timeout=5))
+            await asyncio.sleep(0.3)  # A entered the view without C and waits for B
+            started = time.monotonic()
+            await b.aclose()
+            with pytest.raises(MemberLeftError, match="rank 1 left the group"):
+                await waiting
+            assert time.monotonic() - started < 2.5
+            assert (x == 7.0).all()  # intact
+            await a.all_reduce(x, timeout=5)
+            assert (x == 7.0).all()
+            assert a.world_size == 1
+        finally:
+            await a.aclose()
 
 
 async def test_a_rerun_after_its_group_died_forms_once_the_registry_drops_the_dead():

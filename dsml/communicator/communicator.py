@@ -168,12 +168,13 @@ class Communicator(CommunicatorGroups):
         # rank did not finish (cancelled by an interrupt, or still in flight) is the one.
         unfinished = [cid for cid in (withheld, in_flight) if cid is not None]
         last = min(unfinished) - 1 if unfinished else self._table.next_cid - 1
+        epoch = self._links.epoch  # the numbering `last` counts in
         self._links.say_goodbye(last, reason)  # peers hear why first: the goodbye carries it
         await self._tasks.aclose(_CLOSE_GRACE_S)  # flushes the goodbye and other sends
         await self._links.aclose()
         try:
             if not self._views.evicted:
-                await self._registry.leave(last)
+                await self._registry.leave(last, epoch)
         finally:
             await self._registry.aclose()
             for fn in self._on_close:

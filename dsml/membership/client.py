@@ -326,8 +326,9 @@ class RegistryClient:
         reply = await self._reply(Kind.STATUS_REPLY)
         return reply.body or {}
 
-    async def leave(self, last: int = 0) -> None:
-        """Tell the registry this member is going after collective `last` (no reply).
+    async def leave(self, last: int = 0, epoch: int = 0) -> None:
+        """Tell the registry this member is going after collective `last` (no reply), as
+        numbered in `epoch`, the last view it entered (0: none).
 
         Best effort, within LEAVE_SEND_S: where the connection never completed its
         handshake (a wrong port, a CURVE registry and no keys) ZeroMQ has nowhere to queue
@@ -337,7 +338,7 @@ class RegistryClient:
         if self._channel is not None and not self._channel.closed:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(LEAVE_SEND_S):
-                    await self._request(Kind.LEAVE_REQUEST, {"last": last})
+                    await self._request(Kind.LEAVE_REQUEST, {"last": last, "epoch": epoch})
 
     async def aclose(self, *, linger_s: float | None = None) -> None:
         self.stop_heartbeats()

@@ -177,6 +177,12 @@ class RegistryJoins(RegistryCore):
         member_id = self._member_of(sender)
         fields = Fields(env.body, "LeaveRequest")
         last = fields.get_int("last", 0, optional=True) or 0
+        # `last` counts in the numbering of the view the member last entered. One that never
+        # entered the current view (it closed while that view was on its way) did none of
+        # its calls: its peers there must not wait for it in calls 1..last.
+        epoch = fields.get_int("epoch", 0, optional=True) or 0  # absent: an older member
+        if epoch and self._view is not None and epoch < self._view.epoch:
+            last = 0
         if self._joining.pop(member_id, None) is not None:
             return
         if self._pending.pop(member_id, None) is not None:
