@@ -89,6 +89,33 @@ def test_every_collective_works_under_torchrun_through_the_store():
     assert result.stdout.split().count("ok") == 2, result.stdout
 
 
+@pytest.mark.parametrize("launcher", ["dsml run", "torchrun"])
+def test_init_and_destroy_three_times_in_one_process_with_a_sub_group(launcher: str):
+    """A sweep in one process: init_process_group / collectives / destroy, three times.
+    The ranks now leave destroy together (a fast one reached rank 0's old torch store and
+    failed under `dsml run`), every formation has its own registry key (under torchrun a
+    rank read the previous group's, gone, and failed after 10 s), and a sub-group's
+    members are named by their global ranks (a lost one was named by its group rank)."""
+    if launcher == "dsml run":
+        result = dsml_run(3, "torch_reinit.py")
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DSML_")}
+        result = subprocess.run(
+            [
+                *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"),
+                *("--master-port", str(free_port()), str(SCRIPTS / "torch_reinit.py")),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**env, **QUIET},
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for round_ in range(3):
+        assert result.stdout.count(f"round {round_} ok") == 3, result.stdout
+
+
 def test_ddp_on_dsml_ends_with_the_parameters_ddp_on_gloo_ends_with():
     result = dsml_run(4, "torch_ddp_compare.py", "20")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 __all__ = ["ProcessGroupDsml"]
 
 _UNSET_TIMEOUT_S = 0.0
+#: `shutdown` waits at most this long for the other ranks to close too
+_CLOSE_MEETING_S = 5.0
 
 
 class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
@@ -76,12 +78,19 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     """
 
     def __init__(
-        self, comm: BlockingCommunicator, timeout_s: float, registry: HostedRegistry | None
+        self,
+        comm: BlockingCommunicator,
+        timeout_s: float,
+        registry: HostedRegistry | None,
+        store: dist.Store | None = None,
     ) -> None:
         super().__init__(comm.rank, comm.world_size)
         self.comm = comm
         self._timeout_s = timeout_s
         self._registry = registry
+        self._store = store  # torch's store of this group, for `shutdown`'s last meeting
+        self._epoch = comm.epoch
+        self._closed_key = f"dsml/closed/{comm.view.members[0].id}/"  # unique to this group
         self._group_name = ""
         self._group_desc = ""
 
@@ -111,16 +120,27 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         return self._group_desc
 
     def abort(self) -> None:
-        self.shutdown()
+        self._close(meet=False)
 
     def shutdown(self) -> None:
-        """Close the communicator (and the registry this rank hosts)."""
+        """Close the communicator (and the registry this rank hosts), then wait, up to
+        _CLOSE_MEETING_S, until every rank of a group still whole has closed too (in
+        torch's store), so that all leave `destroy_process_group` together, as Gloo's
+        ranks do. A rank that left first and made the next process group at once reached
+        rank 0's torch store of this one, closing a moment later, and failed."""
+        self._close(meet=True)
+
+    def _close(self, *, meet: bool) -> None:
+        whole = self.comm.epoch == self._epoch  # nobody lost or left since it formed
         try:
             self.comm.close()
         finally:
             if self._registry is not None:
                 self._registry.close()
                 self._registry = None
+            store, self._store = self._store, None  # torch closes it once nobody holds it
+            if meet and whole and store is not None:
+                _meet(store, self._closed_key, self.rank(), self.size())
 
     def __repr__(self) -> str:
         return f"<ProcessGroupDsml rank={self.rank()}/{self.size()} {self.comm!r}>"
@@ -457,3 +477,13 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
         future = asyncio.run_coroutine_threadsafe(checked(comm), self.comm.loop)
         return DsmlWork(future, what)
+
+
+def _meet(store: dist.Store, key: str, rank: int, size: int) -> None:
+    """Say in the store that this rank closed, and wait (bounded) for the others'."""
+    try:
+        store.set(f"{key}{rank}", b"1")
+        wait = timedelta(seconds=_CLOSE_MEETING_S)
+        store.wait([f"{key}{r}" for r in range(size)], wait)
+    except Exception:  # a rank that never closes (or a store gone) must not fail shutdown
+        return

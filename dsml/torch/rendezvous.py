@@ -24,6 +24,7 @@ from .process_group import ProcessGroupDsml
 __all__ = ["HostedRegistry", "create_backend"]
 
 _STORE_KEY = "dsml/registry"
+_FORMATIONS_KEY = "dsml/formations"
 
 
 class HostedRegistry:
@@ -66,22 +67,35 @@ def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) 
     registry = os.environ.get("DSML_REGISTRY", "").strip()
     if registry and not _default_taken and str(size) == os.environ.get("DSML_WORLD_SIZE"):
         _default_taken = True
-    elif rank == 0:
-        hosted = HostedRegistry(_registry_host())
-        registry = hosted.address
-        store.set(_STORE_KEY, registry)
     else:
-        store.wait([_STORE_KEY], timeout)
-        registry = store.get(_STORE_KEY).decode()
+        key = f"{_STORE_KEY}/{_formation(store, size)}"
+        if rank == 0:
+            hosted = HostedRegistry(_registry_host())
+            registry = hosted.address
+            store.set(key, registry)
+        else:
+            store.wait([key], timeout)
+            registry = store.get(key).decode()
+    # Named by the global rank: errors of a sub-group's communicator name its own ranks,
+    # and the name tells which process that is.
+    name = f"torch rank {dist.get_rank() if dist.is_initialized() else rank}"
     try:
-        comm = blocking_init(
-            registry, size, rank=rank, timeout=timeout_s, name=f"torch rank {rank}"
-        )
+        comm = blocking_init(registry, size, rank=rank, timeout=timeout_s, name=name)
     except BaseException:
         if hosted is not None:
             hosted.close()
         raise
-    return ProcessGroupDsml(comm, timeout_s, hosted)
+    return ProcessGroupDsml(comm, timeout_s, hosted, store)
+
+
+def _formation(store: dist.Store, size: int) -> int:
+    """Which formation of a group under this store's keys this is (0, 1, ...). A group
+    made again after `destroy_process_group` gets torch's same key prefix, and torchrun's
+    store keeps keys across groups: without a number of its own, a rank read the address
+    of the previous group's registry (gone) and failed after registry_timeout. Every rank
+    adds one to a counter as it joins; a formation ends only after all its ranks added,
+    so the counter's value over `size` numbers formations alike on every rank."""
+    return (int(store.add(_FORMATIONS_KEY, 1)) - 1) // size
 
 
 def _registry_host() -> str:
