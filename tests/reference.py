@@ -26,9 +26,19 @@ DTYPE_NAMES = [
 ]
 FLOATING = {"float16", "float32", "float64", "bfloat16", "complex64", "complex128"}
 COMPLEX = {"complex64", "complex128"}
-OPS = ["sum", "prod", "min", "max", "avg"]
+OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
+BITWISE = {"band", "bor", "bxor"}
 
-_UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+_UFUNC = {
+    "sum": np.add,
+    "avg": np.add,
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
+}
 
 
 def dtype(name: str) -> np.dtype[Any]:
@@ -38,6 +48,8 @@ def dtype(name: str) -> np.dtype[Any]:
 def valid(op: str, name: str) -> bool:
     if op == "avg":
         return name in FLOATING
+    if op in BITWISE:
+        return name not in FLOATING
     if op in ("min", "max"):
         return name not in COMPLEX
     return True

@@ -192,6 +192,7 @@ async def _skip(comm, xs):
     [
         (lambda c: c.all_reduce(np.arange(4), "avg"), "floating dtype"),
         (lambda c: c.all_reduce(np.ones(4, dtype=np.complex64), "max"), "not defined"),
+        (lambda c: c.all_reduce(np.ones(4), "bxor"), "bitwise: it needs an integer or bool"),
         (lambda c: c.all_reduce(np.array(["a", "b"])), "not supported"),
         (lambda c: c.all_reduce(np.ones(3), "median"), "unknown reduce op"),
         (lambda c: c.all_reduce(np.ones(3), algorithm="butterfly"), "unknown all_reduce"),

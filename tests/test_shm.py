@@ -280,11 +280,18 @@ async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: 
     async with open_local_cluster(world) as comms:
         assert all(c._shm.plane.all_local for c in comms)
         cases = [(0, "int32", "sum"), (7, "int64", "prod"), (70_000, "float32", "max")]
-        for n, dtype, op in [*cases, (600_000, "int32", "min")]:
+        bitwise = [(5_000_000, "uint8", "bxor"), (300_000, "int64", "bor"), (9, "bool", "band")]
+        for n, dtype, op in [*cases, (600_000, "int32", "min"), *bitwise]:
             xs = [(np.arange(n) % 5 + r + 1).astype(dtype) for r in range(world)]
-            expected = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}[op](
-                xs, axis=0
-            )
+            expected = {
+                "sum": np.sum,
+                "prod": np.prod,
+                "max": np.max,
+                "min": np.min,
+                "band": np.bitwise_and.reduce,
+                "bor": np.bitwise_or.reduce,
+                "bxor": np.bitwise_xor.reduce,
+            }[op](xs, axis=0)
             await asyncio.gather(*(c.all_reduce(x, op) for c, x in zip(comms, xs, strict=True)))
             for x in xs:
                 np.testing.assert_array_equal(x, expected.astype(dtype))
@@ -298,7 +305,7 @@ async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: 
         for b in base:
             np.testing.assert_array_equal(b[:, 1:4], np.arange(40.0).reshape(8, 5)[:, 1:4] * total)
         await asyncio.gather(*(c.barrier() for c in comms))
-        assert all(c._shm.plane.calls == 6 for c in comms)  # every call ran in shared memory
+        assert all(c._shm.plane.calls == 9 for c in comms)  # every call ran in shared memory
 
 
 async def test_ranks_calling_different_shapes_fail_with_a_mismatch_on_every_rank() -> None:

@@ -64,6 +64,9 @@ _UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.PROD: np.multiply,
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 BLOCK_BYTES = 256 << 10  # reduce in blocks that stay in L2 while the inputs stream past
 #: the small schedule reads every rank's whole input: worth a sync less up to this much

@@ -29,6 +29,9 @@ _UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.PROD: np.multiply,
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 
 

@@ -203,6 +203,9 @@ _UFUNCS = {
     ReduceOp.PROD: "multiply",
     ReduceOp.MIN: "minimum",
     ReduceOp.MAX: "maximum",
+    ReduceOp.BAND: "bitwise_and",
+    ReduceOp.BOR: "bitwise_or",
+    ReduceOp.BXOR: "bitwise_xor",
 }
 
 

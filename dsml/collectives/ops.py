@@ -25,6 +25,9 @@ class ReduceOp(enum.StrEnum):
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+    BAND = "band"  # bitwise, for integer and bool dtypes (torch's ReduceOp.BAND/BOR/BXOR)
+    BOR = "bor"
+    BXOR = "bxor"
 
 
 #: Wire name -> numpy dtype of every dtype the collectives accept.
@@ -51,6 +54,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
 
 _FLOATING = {"float16", "float32", "float64", "bfloat16", "complex64", "complex128"}
 _COMPLEX = {"complex64", "complex128"}
+_BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 _BY_DTYPE = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -79,6 +83,10 @@ def check_op(op: Any, dtype: str) -> ReduceOp:
         raise ConfigError(
             f"op='avg' needs a floating dtype, got {dtype}; use op='sum' and divide, "
             "or cast to float32 first"
+        )
+    if reduce_op in _BITWISE and dtype in _FLOATING:
+        raise ConfigError(
+            f"op={reduce_op.value!r} is bitwise: it needs an integer or bool dtype, got {dtype}"
         )
     if reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype in _COMPLEX:
         raise ConfigError(f"op={reduce_op.value!r} is not defined for {dtype}; use sum or prod")

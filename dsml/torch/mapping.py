@@ -29,6 +29,9 @@ _OPS = (
     (dist.ReduceOp.PRODUCT, "prod"),
     (dist.ReduceOp.MIN, "min"),
     (dist.ReduceOp.MAX, "max"),
+    (dist.ReduceOp.BAND, "band"),
+    (dist.ReduceOp.BOR, "bor"),
+    (dist.ReduceOp.BXOR, "bxor"),
 )
 _UNSET_TIMEOUT_S = 0.0
 

@@ -45,6 +45,19 @@ for dtype in DTYPES:
         dist.all_reduce(t)
         check(f"all_reduce {dtype}", t, total)
 
+        if not dtype.is_floating_point:  # bitwise ops, as gloo has them
+            for op, fold in (
+                (dist.ReduceOp.BAND, torch.bitwise_and),
+                (dist.ReduceOp.BOR, torch.bitwise_or),
+                (dist.ReduceOp.BXOR, torch.bitwise_xor),
+            ):
+                want = value(0, n, dtype)
+                for r in range(1, size):
+                    want = fold(want, value(r, n, dtype))
+                t = layout(mine.clone())
+                dist.all_reduce(t, op=op)
+                check(f"all_reduce {op} {dtype}", t, want)
+
         work = dist.all_reduce(layout(mine.clone()), op=dist.ReduceOp.MAX, async_op=True)
         work.wait()
         fut = dist.all_reduce(layout(mine.clone()), async_op=True).get_future()
