@@ -13,7 +13,9 @@ second) is handled by who can decide:
 
 - The registry is reachable (it acknowledged a heartbeat within half the timeout): a silent
   peer is reported to it (`Suspect`); a strict majority of reports drops it, and the
-  cut-off rank, if it still hears the registry, is told it was dropped.
+  cut-off rank, if it still hears the registry, is told it was dropped. If the registry
+  then goes away without ruling (it died just before the peer), the survivors agree on
+  the peers they reported as soon as it counts as away.
 - The registry is away: the survivors agree on the successor view among themselves
   (`VIEW_PROPOSAL` messages, `Agreement`). A decided view is installed like a view of the
   registry (the calls in flight fail once with `PeerLostError`, the next runs in the new
@@ -115,6 +117,14 @@ class Survival:
         silent = self.links.watch.silent(now)
         if silent:
             self.peers_lost(silent, "silent")
+        if self.reported and not self.registry_heard():
+            # Reported to a registry that then went away without ruling (it died just
+            # before them): agree on them now, not once their links are silent for the
+            # whole heartbeat timeout.
+            agreed = self.agreement.lost if self.agreement is not None else frozenset()
+            waiting = sorted(m for m in self.reported if m not in agreed)
+            if waiting:
+                self.peers_lost(waiting, "reported to the registry, which went away")
         if self.views.no_quorum and self.registry_heard():
             self.registry.suspect(self.links.member_id, view.epoch)  # "renew my epoch"
 
