@@ -160,6 +160,32 @@ async def test_a_rank_lost_just_after_the_registry_died_is_agreed_on_once_it_cou
 
 
 @pytest.mark.timeout(60)
+async def test_a_rank_lost_while_the_registry_restarts_is_reported_to_the_new_one():
+    """The registry dies, a rank dies, the registry is back a moment later: the survivors
+    had reported the rank to the old registry, which never ruled. The new one kept it for
+    its whole restart grace (a full heartbeat timeout) while nobody reported it again (a
+    probe: about 15 s at the defaults). They now report it again as the new one asks them
+    to register: it is dropped at once."""
+    hb = RegistryConfig(heartbeat_interval=0.25, heartbeat_timeout=6.0)
+    async with open_local_cluster(WORLD, config=CONFIG, registry_config=hb) as cluster:
+        await cluster.run(exact_call)
+        address = cluster.registry.address
+        await cluster.registry.aclose()
+        await asyncio.sleep(0.2)
+        await crash(cluster[3])
+        crashed = time.monotonic()
+        await asyncio.sleep(1.5)  # reported to the registry, which still counts as there
+        config = RegistryConfig(address=address, heartbeat_interval=0.25, heartbeat_timeout=6.0)
+        cluster.registry = await dsml.open_registry(config=config)
+        errors = await asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
+        took = time.monotonic() - crashed
+        assert all(len(e) <= 1 for e in errors), errors
+        assert took < 1.5 + hb.heartbeat_timeout / 2, took  # not the restart grace (6 s)
+        assert cluster.registry.view is not None
+        assert cluster.registry.view.size == 3
+
+
+@pytest.mark.timeout(60)
 async def test_a_2_plus_2_partition_without_registry_lets_neither_side_go_on():
     async with open_local_cluster(WORLD, config=CONFIG, registry_config=HB) as cluster:
         await cluster.run(exact_call)

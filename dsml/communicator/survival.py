@@ -137,6 +137,18 @@ class Survival:
             if member.id in due and peer != links.rank:
                 links.try_send(peer, Envelope(Kind.PEER_BEAT, view.epoch, links.rank))
 
+    def registry_back(self) -> None:
+        """The registry restarted (this member just sent it its view): report again the
+        peers reported to the one before, which never ruled on them. Else the new one kept
+        them for its whole restart grace (a full heartbeat timeout) while nobody reported
+        them again."""
+        view = self.links.view
+        if view is None or self.stopped or self.views.evicted:
+            return
+        for member in sorted(self.reported):
+            if view.rank_of(member) is not None:
+                self.registry.suspect(member, view.epoch)
+
     def registry_heard(self) -> bool:
         """Whether the registry acknowledged this member lately: within half the heartbeat
         timeout (it acknowledges every heartbeat, and beats come at least twice as often)."""

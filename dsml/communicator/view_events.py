@@ -95,6 +95,8 @@ class ViewEvents(ViewBase):
     @transition("registry back")
     def on_reregister(self) -> None:
         self._gate = None  # the proposal died with the registry that made it
+        if self.survival is not None:
+            self.survival.registry_back()
         self._wake()
 
     def peer_disconnected(self, member_id: str) -> None:
