@@ -116,6 +116,15 @@ def test_init_and_destroy_three_times_in_one_process_with_a_sub_group(launcher: 
         assert result.stdout.count(f"round {round_} ok") == 3, result.stdout
 
 
+def test_a_wait_that_times_out_cancels_the_call_and_leaves_its_tensor_intact():
+    """It raised and left the call running, which wrote the tensor after wait() had
+    raised (a probe); gloo gives its pair up. Now the call is cancelled: the tensor stays
+    as it was, the late rank's matching call fails, and the group goes on."""
+    result = dsml_run(2, "torch_wait_timeout.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split().count("ok") == 2, result.stdout
+
+
 def test_ddp_on_dsml_ends_with_the_parameters_ddp_on_gloo_ends_with():
     result = dsml_run(4, "torch_ddp_compare.py", "20")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -58,7 +58,7 @@ from .mapping import (
     _table,
     _unequal,
 )
-from .work import DsmlWork
+from .work import DsmlWork, RunState
 
 if TYPE_CHECKING:
     from .rendezvous import HostedRegistry
@@ -463,7 +463,16 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         comm = self.comm.async_comm
         size, rank = self.size(), self.rank()
 
+        run_state = RunState()
+
         async def checked(comm: Communicator) -> Any:
+            run_state.started = True
+            try:
+                return await checked_run(comm)
+            finally:
+                run_state.ended.set()
+
+        async def checked_run(comm: Communicator) -> Any:
             if comm.world_size != size or comm.rank != rank:
                 raise MembershipChangedError(
                     f"this torch process group has {size} ranks (this is rank {rank}), but "
@@ -476,7 +485,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
             return await run(comm)
 
         future = asyncio.run_coroutine_threadsafe(checked(comm), self.comm.loop)
-        return DsmlWork(future, what)
+        return DsmlWork(future, what, run_state)
 
 
 def _meet(store: dist.Store, key: str, rank: int, size: int) -> None:

@@ -5,13 +5,27 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DsmlWork", "backend_error", "cause_of"]
+__all__ = ["DsmlWork", "RunState", "backend_error", "cause_of"]
+
+#: after a wait() that timed out cancels its call, how long it waits for the call to end
+_CANCEL_GRACE_S = 10.0
+
+
+@dataclass
+class RunState:
+    """Whether a call started on the loop thread, and when it ended (set from there)."""
+
+    started: bool = False
+    ended: threading.Event = field(default_factory=threading.Event)
+
 
 # The latest failures, for `cause_of`: DDP's reducer re-raises them through C++, which
 # keeps the message but drops the Python exception and its chain.
@@ -54,10 +68,13 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
     (the output tensors), or with that error.
     """
 
-    def __init__(self, future: concurrent.futures.Future[Any], what: str) -> None:
+    def __init__(
+        self, future: concurrent.futures.Future[Any], what: str, state: RunState | None = None
+    ) -> None:
         super().__init__()
         self._future = future
         self._what = what
+        self._state = state
         # torch's Future.set_exception stores the exception as a *value*, which C++
         # consumers (DDP's reducer) read as a result; an exception raised in a `then`
         # callback is a real error for them. So `_done` only signals the end, and the
@@ -79,21 +96,35 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
         return None if error is None else backend_error(self._what, error)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the call ends; raise DistBackendError if it failed."""
+        """Block until the call ends; raise DistBackendError if it failed. A `timeout`
+        that runs out cancels the call (as gloo gives its pair up): its tensors are left
+        as they were, the other ranks' matching call fails too, and the error says so.
+        Left running, it would have written the tensors after wait() had raised."""
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         try:
             self._future.exception(seconds if seconds > 0 else None)
         except concurrent.futures.CancelledError:
             pass  # _error() describes it
         except TimeoutError:
+            self._cancel()
             raise dist.DistBackendError(
-                f"dsml {self._what} did not finish within {seconds} s"
+                f"dsml {self._what} did not finish within {seconds:g} s, so it was "
+                "cancelled: its tensors are as they were, and the other ranks' matching "
+                "call fails too"
             ) from None
         self._settle()
         error = self._error()
         if error is not None:
             raise error
         return True
+
+    def _cancel(self) -> None:
+        """Cancel the call and wait (bounded) until it has ended on the loop thread, having
+        put back what it wrote."""
+        self._future.cancel()
+        state = self._state
+        if state is not None and state.started:
+            state.ended.wait(_CANCEL_GRACE_S)
 
     def _settle(self) -> None:
         """Wait for the torch future too: the loop thread completes it just after the call
