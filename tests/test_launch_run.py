@@ -64,6 +64,14 @@ def finish(*procs: subprocess.Popen[str], timeout: float = 50) -> list[tuple[int
                 proc.communicate()
 
 
+def wait_ready(nodes: list[subprocess.Popen[str]]) -> None:
+    """Until both ranks of each node (wait_forever.py) joined and wait."""
+    for node in nodes:
+        assert node.stdout is not None
+        ready = [node.stdout.readline() for _ in range(2)]
+        assert all("ready" in line for line in ready), ready
+
+
 def free_port_pair() -> int:
     """A port p with p and p+1 free (the registry and the launchers' link)."""
     for _ in range(100):
@@ -133,10 +141,7 @@ def test_ctrl_c_on_one_node_is_named_as_the_cause_by_every_launcher(interrupted:
     port = free_port_pair()
     nodes = [start_node(n, port, "wait_forever.py") for n in (0, 1)]
     try:
-        for node in nodes:  # both ranks of each node joined and wait
-            assert node.stdout is not None
-            ready = [node.stdout.readline() for _ in range(2)]
-            assert all("ready" in line for line in ready), ready
+        wait_ready(nodes)
         nodes[interrupted].send_signal(signal.SIGINT)
         results = finish(*nodes)
     finally:
@@ -314,10 +319,7 @@ def test_a_launcher_killed_is_named_lost_by_the_other_after_its_beats_stop(kille
     port = free_port_pair()
     nodes = [start_node(n, port, "wait_forever.py") for n in (0, 1)]
     try:
-        for node in nodes:  # both ranks of each node joined and wait
-            assert node.stdout is not None
-            ready = [node.stdout.readline() for _ in range(2)]
-            assert all("ready" in line for line in ready), ready
+        wait_ready(nodes)
         killed_at = time.monotonic()
         nodes[killed].kill()
         nodes[killed].communicate()
