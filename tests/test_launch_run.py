@@ -336,3 +336,22 @@ def test_a_launcher_killed_is_named_lost_by_the_other_after_its_beats_stop(kille
     assert f"its launcher was not heard from for {LOST_S:g} s" in report
     assert "the other ranks were stopped." in report
     assert LOST_S - 1 <= took < LOST_S + 25, took
+
+
+@pytest.mark.multiprocess
+def test_ranks_outliving_the_group_are_not_stopped_when_node_zero_ends_first() -> None:
+    """Node 1's ranks close their communicators, then work on for longer than LOST_S.
+    Node 0 ends meanwhile and says so on the link (LAUNCH_DONE): node 1 must not take
+    the silence that follows for node 0's loss and stop them."""
+    from dsml.cli.nodes import LOST_S
+
+    port = free_port_pair()
+    outlive = str(LOST_S + 2)
+    nodes = [
+        start_node(n, port, "outlive_group.py", outlive, options=("--grace", "1")) for n in (0, 1)
+    ]
+    (code0, out0, err0), (code1, out1, err1) = finish(*nodes, timeout=LOST_S + 40)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert all(f"finished {r}" in out0 for r in (0, 1)), out0
+    assert all(f"finished {r}" in out1 for r in (2, 3)), out1
+    assert "was lost" not in err1, err1

@@ -260,6 +260,16 @@ class NodeBoard:
             except TimeoutError:
                 pass
 
+    def farewell(self, code: int) -> None:
+        """Node 0 is done: tell every node still running, which then stops watching it (a
+        node whose ranks outlive the group, writing their results, must not take node 0's
+        end for its loss)."""
+        assert self._endpoint is not None
+        for identity, node in self._nodes.items():
+            if node not in self._done and node not in self._lost:
+                env = Envelope(Kind.LAUNCH_DONE, body={"code": code})
+                self._endpoint.send_nowait(identity, env)
+
     async def aclose(self) -> None:
         await _cancel(self._watch)
         if self._endpoint is not None:
@@ -285,6 +295,7 @@ class NodeLink:
         self._heard = 0.0  # when node 0 last said anything
         self._host0 = ""  # node 0's host, from its welcome
         self._beat: asyncio.Task[None] | None = None
+        self._zero_done = False  # node 0 said it ended (its silence is no loss then)
 
     async def open(self, address: str, *, timeout_s: float, curve: Any = None) -> NodeLink:
         """Say hello to node 0 and wait for its welcome.
@@ -333,6 +344,8 @@ class NodeLink:
         while self._channel is not None and not self._channel.closed:
             self._channel.send_nowait(Envelope(Kind.LAUNCH_BEAT, body={}))
             await asyncio.sleep(BEAT_S)
+            if self._zero_done:
+                return
             if loop.time() - self._heard >= LOST_S:
                 failure = _lost(0, self._host0 or "")
                 log.warning("%s", failure.report())
@@ -360,6 +373,9 @@ class NodeLink:
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
         self._heard = asyncio.get_running_loop().time()
         if env.kind is Kind.LAUNCH_BEAT:
+            return
+        if env.kind is Kind.LAUNCH_DONE:  # node 0 ended: nothing more to hear from it
+            self._zero_done = True
             return
         if env.kind in (Kind.LAUNCH_WELCOME, Kind.LAUNCH_REFUSED):
             if self._answer is not None and not self._answer.done():

@@ -256,6 +256,8 @@ async def launch_node(
             launch.on_failure = board.report
             await launch.run()
             await board.wait_nodes_done(lambda: _group_gone(served), grace_s)
+            board.farewell(launch.exit_code())
+            await asyncio.sleep(0.1)  # on its way before the link closes
         else:
             print(
                 f"dsml run: node {shape.node_rank}: waiting for node 0's launcher at {link} "
