@@ -250,6 +250,49 @@ async def test_a_poisoned_input_on_one_rank_fails_the_collective_everywhere_and_
         assert (h1 == 6).all()
 
 
+@pytest.mark.parametrize("how", ["skipped", "failed before its collective"])
+async def test_a_lecture_op_that_does_not_make_its_collective_on_one_rank_keeps_ids_in_step(how):
+    """The lecture's form: an op that mutates comm.var and calls the collective. On rank 1
+    it does not run (its input is poisoned), or it raises before its collective. The
+    other ranks made theirs, and rank 1's ids were one behind for good: later calls of
+    the same shape paired with the wrong ones, returning wrong sums without an error (a
+    probe, 6/6). Rank 1 now takes the op's turn and fails it on every rank."""
+    async with open_local_cluster(3, config=CommConfig(timeout=10)) as cluster:
+
+        async def program(comm):
+            engine = comm.engine
+            x = engine.tag("x", np.ones(2))
+
+            def produce():
+                if comm.rank == 1 and how == "skipped":
+                    raise ValueError("bad batch on rank 1")
+
+            async def reduce_x():
+                if comm.rank == 1 and how != "skipped":
+                    raise ValueError("rank 1 failed before its all_reduce")
+                await comm.all_reduce(x.data)
+
+            engine.push(produce, mutate=[x.var])
+            engine.push(reduce_x, mutate=[x.var, comm.var], name="reduce_x")
+            failed = await asyncio.gather(engine.wait_all(), return_exceptions=True)
+            sums = []
+            for value in (1.0, 2.0, 3.0):  # same shape as x: a pairing off by one is silent
+                z = np.full(2, value)
+                await comm.all_reduce(z)
+                sums.append(float(z[0]))
+            return failed[0], sums
+
+        results = await cluster.run(program)
+        for rank, (error, sums) in enumerate(results):
+            assert sums == [3.0, 6.0, 9.0], (rank, sums)
+            if rank == 1:
+                assert isinstance(error, (DependencyFailedError, ValueError)), error
+            else:
+                assert isinstance(error, CollectiveAbortedError), error
+                assert "rank 1 could not take part" in str(error)
+                assert "mutates comm.var" in str(error)
+
+
 async def test_a_queued_direct_call_that_is_cancelled_is_still_given_up_on_every_rank():
     async with open_local_cluster(2, config=CommConfig(timeout=10)) as cluster:
 

@@ -55,6 +55,7 @@ class CallTable:
         self.calls: dict[tuple[int, int], Call] = {}
         self.receives: set[Call] = set()  # point-to-point receives in flight
         self.next_cid = 1
+        self.turns_taken = 0  # collective ids taken in every epoch (next_cid restarts)
         self.counters: Counter[str] = Counter()
         self.closed_after: dict[int, int] = {}  # peer rank -> its last collective id
         #: peers whose goodbye came over their link: no message of theirs follows it
@@ -113,6 +114,7 @@ class CallTable:
         """The next collective id, in program order."""
         cid = self.next_cid
         self.next_cid += 1
+        self.turns_taken += 1
         return cid
 
     def register(self, call: Call) -> None:

@@ -125,7 +125,7 @@ def error_from_abort(
             )
             ranks = ranks or [me]
         return CollectiveTimeoutError(message, missing=ranks, **where)
-    if theirs is not None and mine.conflicts(theirs):
+    if theirs is not None and mine.conflicts(theirs) and reason != "skipped":
         text = mismatch_message(env.cid, me, mine, origin, theirs)
         return CollectiveMismatchError(
             f"{text} Rank {origin} reported: {message}", ranks=(me, origin), **where

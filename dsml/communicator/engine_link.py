@@ -59,6 +59,7 @@ class EngineLink:
     def var(self) -> Var:
         if self._var is None:
             self._var = self.engine.new_var("comm")
+            self._var._watch = _TurnKeeper(self._runner)
         return self._var
 
     async def aclose(self, *, cancel: bool) -> None:
@@ -218,3 +219,33 @@ class EngineLink:
             rank=rank,
             epoch=epoch,
         )
+
+
+class _TurnKeeper:
+    """Watches the ops that mutate `comm.var` (they run one at a time, and collectives
+    made outside the engine meanwhile wait for them): an op that did not run (its input
+    poisoned), or that failed before it made any collective, takes the turn it would have
+    taken (`Runner.skip_turn`), as it may have failed on this rank only. Without it, this
+    rank's collective ids fell one behind the others' for good, and later calls of the
+    same shape paired with the wrong ones: wrong sums, no error."""
+
+    def __init__(self, runner: Runner) -> None:
+        self._runner = runner
+        self._at_start: dict[int, int] = {}  # op's seq -> turns taken when it started
+
+    def started(self, op: Any) -> None:
+        self._at_start[op.seq] = self._runner.turns
+
+    def ended(self, op: Any, error: BaseException | None, ran: bool) -> None:
+        at = self._at_start.pop(op.seq, None)
+        if error is None or isinstance(error, asyncio.CancelledError):
+            return
+        if not ran:
+            self._runner.skip_turn(
+                f"engine op {op.name!r} (it mutates comm.var) did not run: {error}"
+            )
+        elif at is not None and self._runner.turns == at:
+            self._runner.skip_turn(
+                f"engine op {op.name!r} (it mutates comm.var) failed before it made a "
+                f"collective: {type(error).__name__}: {error}"
+            )

@@ -181,7 +181,21 @@ class Runner(RunnerCalls):
         call.task.add_done_callback(functools.partial(self._finished, call))
         return call
 
-    def reject(self, request: Request, reason: str) -> None:
+    @property
+    def turns(self) -> int:
+        """Collective ids this rank has taken or is about to take (a monotonic count)."""
+        return self._table.turns_taken + self._deferred
+
+    def skip_turn(self, reason: str) -> None:
+        """Take the next collective id for an engine op that did not run (a var it
+        touches is poisoned) and mutates `comm.var`, and fail it on every peer: the op
+        would have made a collective there, and without this turn this rank's ids fell one
+        behind the others' for good, pairing later calls of the same shape with the wrong
+        ones (silent wrong sums). The peers' matching call (the first their op makes, which
+        then ends that op) fails with `CollectiveAbortedError` saying why."""
+        self.reject(Request("skipped_op"), reason, why="skipped")
+
+    def reject(self, request: Request, reason: str, *, why: str = "failed") -> None:
         """Take the next collective id without running it, and fail it on every peer.
 
         For a call this rank cannot make (its input is poisoned): its turn is taken like
@@ -190,26 +204,24 @@ class Runner(RunnerCalls):
         """
         if self._deferred or not self._views.immediate():
             self._deferred += 1
-            self._tasks.spawn(self._admit_then_reject(request, reason))
+            self._tasks.spawn(self._admit_then_reject(request, reason, why))
             return
-        self._reject_now(request, reason)
+        self._reject_now(request, reason, why)
 
-    async def _admit_then_reject(self, request: Request, reason: str) -> None:
+    async def _admit_then_reject(self, request: Request, reason: str, why: str) -> None:
         try:
             async with self._admission:
                 await self._views.admit()
-                self._reject_now(request, reason)
+                self._reject_now(request, reason, why)
         except (CollectiveError, ConfigError):
             pass  # the group changed: there is no call left to fail on the peers
         finally:
             self._deferred -= 1
 
-    def _reject_now(self, request: Request, reason: str) -> None:
+    def _reject_now(self, request: Request, reason: str, why: str) -> None:
         cid = self._table.take_cid()
         rejected = Call(self._table, cid, request.loose_fingerprint(), self._config.timeout)
-        self._table.abort(
-            rejected, "failed", f"rank {self._table.rank} could not take part: {reason}"
-        )
+        self._table.abort(rejected, why, f"rank {self._table.rank} could not take part: {reason}")
         self._table.forget(cid)
 
     # -- closing ----------------------------------------------------------------------------

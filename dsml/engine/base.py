@@ -205,11 +205,19 @@ class EngineBase(ABC):
         op._status = Status.RUNNING
         self._pending -= 1
         self._running += 1
+        for var in op._mutates:
+            if var._watch is not None:
+                var._watch.started(op)
 
     def _record_outcome(
         self, op: OpHandle[Any], status: Status, value: object, poison: Poison | None
     ) -> None:
         """Count the op's outcome, keep its poison, wake whoever awaits its handle."""
+        ran = op._status is Status.RUNNING
+        for var in op._mutates:
+            if var._watch is not None:
+                error = value if isinstance(value, BaseException) else None
+                var._watch.ended(op, error if status is not Status.SUCCEEDED else None, ran)
         if op._status is Status.PENDING:
             self._pending -= 1
         elif op._status is Status.RUNNING:

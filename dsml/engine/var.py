@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from .handle import OpHandle
 
-__all__ = ["Var"]
+__all__ = ["Var", "VarWatch"]
 
 
 class _Named(Protocol):
@@ -30,10 +30,21 @@ class _Named(Protocol):
     def name(self) -> str: ...
 
 
+class VarWatch(Protocol):
+    """What a var's watcher is told of the ops that mutate it (on the engine's loop)."""
+
+    def started(self, op: Any) -> None: ...
+
+    def ended(self, op: Any, error: BaseException | None, ran: bool) -> None:
+        """`op` ended: succeeded (error None), failed or was cancelled; `ran` is False
+        for an op that never started (a var it touches was poisoned)."""
+        ...
+
+
 class Var:
     """A tag for one piece of data; create it with `engine.new_var(name)`."""
 
-    __slots__ = ("_owner", "_poison_src", "_readers", "_writer", "name")
+    __slots__ = ("_owner", "_poison_src", "_readers", "_watch", "_writer", "name")
 
     def __init__(self, name: str, owner: _Named) -> None:
         self.name = name
@@ -41,6 +52,9 @@ class Var:
         self._writer: OpHandle[Any] | None = None
         self._readers: set[OpHandle[Any]] = set()
         self._poison_src: OpHandle[Any] | None = None
+        #: told when an op that mutates this var starts and how it ends (`VarWatch`):
+        #: `comm.var` keeps the ranks' collective turns in step with it
+        self._watch: VarWatch | None = None
 
     @property
     def engine_name(self) -> str:
