@@ -59,6 +59,24 @@ async def test_a_goodbye_fails_the_call_after_the_leavers_last_once_then_waits_f
     assert views.state is S.STEADY
 
 
+@pytest.mark.parametrize(("entered", "runs"), [(1, True), (0, False)])
+async def test_a_leave_counts_its_last_call_in_the_epoch_it_entered(entered: int, runs: bool):
+    """The registry relays a leaver's last collective with the epoch it counts in. A
+    leaver that was in this rank's epoch made call #1, which runs on (a probe saw it fail
+    at a job's end, 11/22, when the last collective was taken for 0 because the registry
+    had moved on); one that never entered it made none of its calls."""
+    views, table, _links = machine()
+    first = in_flight(table)
+    second = in_flight(table)
+    change = Change(previous=1, left=(("m3", 1),), left_epochs=(("m3", entered),))
+    views.on_view(view(2, 0, 1, 2), change)
+    assert isinstance(second.failure, MemberLeftError)
+    if runs:
+        assert first.failure is None
+    else:
+        assert isinstance(first.failure, MemberLeftError)
+
+
 async def test_the_survivors_agreed_view_is_installed_like_the_registrys():
     views, table, links = machine()
     call = in_flight(table)

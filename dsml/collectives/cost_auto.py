@@ -107,11 +107,12 @@ class AutoChooser:
             return None
         return self._model.result()
 
-    def choice(self, nbytes: int, world_size: int) -> Choice:
-        """What `auto` runs at this size now (the size table until a model is known)."""
+    def choice(self, nbytes: int, world_size: int, hierarchical: bool = False) -> Choice:
+        """What `auto` runs at this size now (the size table until a model is known);
+        `hierarchical`: whether auto weighs it in this view (as a call does)."""
         model = self.model
         if model is not None and model.world_size == world_size:
-            return self.choose(model, nbytes)
+            return self.choose(model, nbytes, hierarchical)
         algo = choose_all_reduce(nbytes, world_size)
         return Choice(algo, int(self._chunks["default_chunk_bytes"]), float("nan"))
 

@@ -34,6 +34,7 @@ from .view_changes import ViewChanges, ViewListener
 
 if TYPE_CHECKING:
     from .communicator import Communicator
+    from .shm_hook import ShmHook
 
 __all__ = ["CommunicatorInfo"]
 
@@ -141,8 +142,11 @@ class CommunicatorInfo:
         return self._auto.model
 
     def all_reduce_choice(self, nbytes: int) -> Choice:
-        """What `all_reduce(algorithm="auto")` runs now for an array of nbytes."""
-        return self._auto.choice(nbytes, self._links.size)
+        """What `all_reduce(algorithm="auto")` runs now for a numpy array of nbytes
+        (`hierarchical` included where auto weighs it: hosts with as many ranks each)."""
+        shm: ShmHook | None = getattr(self, "_shm", None)  # sub-communicators have none
+        hierarchical = shm is not None and shm.weighs_hierarchical()
+        return self._auto.choice(nbytes, self._links.size, hierarchical)
 
     def statistics(self) -> dict[str, int]:
         """Counters of the data plane: messages dropped as malformed, of an older epoch

@@ -89,6 +89,11 @@ class ShmHook:
             return False
         return (self._local_peers or not auto) and self._take_turn()
 
+    def weighs_hierarchical(self) -> bool:
+        """Whether `auto` weighs the hierarchical all_reduce for numpy arrays in this view
+        (what `claim_hierarchical(be, auto=True)` answers, without taking a turn)."""
+        return self._ring_ranks is not None and bool(self._local_peers)
+
     def _take_turn(self) -> bool:
         # Planning happens right after the runner numbered the call, in program order.
         self._claimed.append((self._table.epoch, self._table.next_cid - 1))

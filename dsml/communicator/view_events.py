@@ -189,8 +189,11 @@ class ViewEvents(ViewBase):
         if broken is None or broken.epoch != installed.epoch:
             broken = self._broken = _Broken(installed.epoch, limit=1 << 62, owed=True)
         failed = 0
+        entered = dict(change.left_epochs)  # the epoch each one's `last` is numbered in
         for member_id, last in change.left:
             rank = installed.rank_of(member_id)
+            if entered.get(member_id, installed.epoch) < installed.epoch:
+                last = 0  # it closed before it entered this view: it made none of our calls
             if rank is not None:
                 broken.limit = min(broken.limit, last)
                 failed += self.table.peer_closed(rank, last)

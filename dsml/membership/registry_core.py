@@ -124,6 +124,7 @@ class RegistryCore:
             boundary=change.boundary,
             lost=change.lost,
             left=change.left,
+            left_epochs=change.left_epochs,
             joined=change.joined,
             heartbeat_interval=self.config.heartbeat_interval,
             heartbeat_timeout=self.config.heartbeat_timeout,
@@ -154,7 +155,14 @@ class RegistryCore:
     def _send_view(self, member_id: str, view: View, change: Change) -> None:
         self._reply(member_id.encode(), Kind.VIEW_CHANGED, view.to_wire() | change.to_wire())
 
-    def _remove(self, lost: list[str], left: list[tuple[str, int]], reason: str) -> None:
+    def _remove(
+        self,
+        lost: list[str],
+        left: list[tuple[str, int]],
+        reason: str,
+        *,
+        left_epochs: dict[str, int] | None = None,
+    ) -> None:
         """End the current epoch without the given members; pending joiners come in too."""
         assert self._view is not None
         gone = set(lost) | {m for m, _ in left}
@@ -174,6 +182,7 @@ class RegistryCore:
             previous=self._epoch,
             lost=tuple(lost),
             left=tuple(left),
+            left_epochs=tuple((left_epochs or {}).items()),
             joined=tuple(m.id for m in joiners),
         )
         (log.warning if lost else log.info)("epoch %d ends: %s", self._epoch, reason)

@@ -177,16 +177,15 @@ class RegistryJoins(RegistryCore):
         member_id = self._member_of(sender)
         fields = Fields(env.body, "LeaveRequest")
         last = fields.get_int("last", 0, optional=True) or 0
-        # `last` counts in the numbering of the view the member last entered. One that never
-        # entered the current view (it closed while that view was on its way) did none of
-        # its calls: its peers there must not wait for it in calls 1..last.
-        epoch = fields.get_int("epoch", 0, optional=True) or 0  # absent: an older member
-        if epoch and self._view is not None and epoch < self._view.epoch:
-            last = 0
+        # `last` counts in the numbering of the view the member last entered (`epoch`,
+        # absent from older members): relayed with it, so that a peer that entered a newer
+        # view, which the member never did, does not wait for it in its own calls 1..last.
+        epoch = fields.get_int("epoch", 0, optional=True) or 0
         if self._joining.pop(member_id, None) is not None:
             return
         if self._pending.pop(member_id, None) is not None:
             return
         if self._view is None or self._view.rank_of(member_id) is None:
             return
-        self._remove([], [(member_id, last)], f"member {member_id} left")
+        epochs = {member_id: epoch} if epoch else {}
+        self._remove([], [(member_id, last)], f"member {member_id} left", left_epochs=epochs)

@@ -115,6 +115,9 @@ class Change:
     boundary: int | None = None
     lost: tuple[str, ...] = ()
     left: tuple[tuple[str, int], ...] = ()
+    #: the epoch each `left` member's last collective is numbered in (the last view it
+    #: entered); a member that enters a newer view than that took part in none of its calls
+    left_epochs: tuple[tuple[str, int], ...] = ()
     joined: tuple[str, ...] = ()
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
@@ -125,6 +128,7 @@ class Change:
             "boundary": self.boundary,
             "lost": list(self.lost),
             "left": [[member, last] for member, last in self.left],
+            "left_epochs": [[member, epoch] for member, epoch in self.left_epochs],
             "joined": list(self.joined),
             "heartbeat_interval": self.heartbeat_interval,
             "heartbeat_timeout": self.heartbeat_timeout,
@@ -142,11 +146,22 @@ class Change:
             ):
                 raise ProtocolError("ViewChanged.left must list [member id, last collective]")
             left.append((item[0], item[1]))
+        left_epochs = []
+        for item in fields.get_list("left_epochs", 1 << 16, optional=True) or []:  # older: none
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or not isinstance(item[0], str)
+                or type(item[1]) is not int
+            ):
+                raise ProtocolError("ViewChanged.left_epochs must list [member id, epoch]")
+            left_epochs.append((item[0], item[1]))
         return cls(
             previous=fields.get_int("previous", 0),
             boundary=fields.get_int("boundary", 1, optional=True),
             lost=tuple(fields.get_str_list("lost")),
             left=tuple(left),
+            left_epochs=tuple(left_epochs),
             joined=tuple(fields.get_str_list("joined")),
             heartbeat_interval=fields.get_float("heartbeat_interval", 1e-3, 3600.0),
             heartbeat_timeout=(
