@@ -136,32 +136,15 @@ class Change:
 
     @classmethod
     def from_wire(cls, fields: Fields) -> Change:
-        left = []
-        for item in fields.get_list("left", 1 << 16):
-            if (
-                not isinstance(item, list)
-                or len(item) != 2
-                or not isinstance(item[0], str)
-                or type(item[1]) is not int
-            ):
-                raise ProtocolError("ViewChanged.left must list [member id, last collective]")
-            left.append((item[0], item[1]))
-        left_epochs = []
-        for item in fields.get_list("left_epochs", 1 << 16, optional=True) or []:  # older: none
-            if (
-                not isinstance(item, list)
-                or len(item) != 2
-                or not isinstance(item[0], str)
-                or type(item[1]) is not int
-            ):
-                raise ProtocolError("ViewChanged.left_epochs must list [member id, epoch]")
-            left_epochs.append((item[0], item[1]))
+        left = _id_int_pairs(fields.get_list("left", 1 << 16), "left", "last collective")
+        older = fields.get_list("left_epochs", 1 << 16, optional=True) or []  # older: none
+        left_epochs = _id_int_pairs(older, "left_epochs", "epoch")
         return cls(
             previous=fields.get_int("previous", 0),
             boundary=fields.get_int("boundary", 1, optional=True),
             lost=tuple(fields.get_str_list("lost")),
-            left=tuple(left),
-            left_epochs=tuple(left_epochs),
+            left=left,
+            left_epochs=left_epochs,
             joined=tuple(fields.get_str_list("joined")),
             heartbeat_interval=fields.get_float("heartbeat_interval", 1e-3, 3600.0),
             heartbeat_timeout=(
@@ -170,3 +153,18 @@ class Change:
                 else 10.0
             ),
         )
+
+
+def _id_int_pairs(items: list[Any], key: str, what: str) -> tuple[tuple[str, int], ...]:
+    """A wire list of [member id, integer] pairs, checked."""
+    pairs = []
+    for item in items:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or type(item[1]) is not int
+        ):
+            raise ProtocolError(f"ViewChanged.{key} must list [member id, {what}]")
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
