@@ -272,16 +272,21 @@ async def _wait_for_successor(
 
 
 async def _wait_for_size(comm: Communicator, min_size: int, patience: float) -> None:
+    """Until the group has min_size members, by the newest view announced: a view that
+    admits joiners is installed by this member's next collective (the sync that follows,
+    which the joiners make too), so waiting for `comm.world_size` to grow waited for good
+    (and got this member evicted as silent by the joiner it was waiting for)."""
     deadline = time.monotonic() + patience
-    while comm.world_size < min_size:
+    size = comm.world_size
+    while size < min_size:
         left = deadline - time.monotonic()
         if left <= 0:
             raise BelowMinSizeError(
-                f"the group has had {comm.world_size} member(s), fewer than min_size="
+                f"the group has had {size} member(s), fewer than min_size="
                 f"{min_size}, for {patience:g} s; start more workers or lower min_size"
             )
         try:
-            await comm.wait_view_change(timeout=left)
+            size = (await comm.wait_view_change(timeout=left)).size
         except TimeoutError:
             continue
         await asyncio.sleep(0)

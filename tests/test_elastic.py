@@ -144,6 +144,50 @@ async def test_an_elastic_run_survives_a_loss_and_a_joiner_and_matches_the_fault
         await asyncio.gather(tasks[2], return_exceptions=True)
 
 
+async def test_a_survivor_below_min_size_goes_on_with_the_replacement_that_joins():
+    """world_size=2, min_size=2: one member dies, a replacement joins. The survivor waited
+    for `comm.world_size` to grow, which happens only at its next collective, so it never
+    crossed into the view with the joiner; the joiner then reported it silent, and both
+    ended with BelowMinSizeError (a probe, 3/3). It now waits on the views announced."""
+    steps = 30
+    expected = reference(steps)
+    async with dsml.open_registry() as registry:
+        comms: dict[int, dsml.Communicator] = {}
+        seen: dict[int, list] = {r: [] for r in range(3)}
+
+        async def member(index):
+            state = State(params=expected[0].copy(), step=0)
+
+            async def fn(comm, state):
+                comms[index] = comm
+                return await train(comm, state, steps, seen[index], 0.01)
+
+            return await dsml.elastic.run(
+                fn,
+                state,
+                registry=registry.address,
+                world_size=2,
+                min_size=2,
+                min_size_timeout=20,
+                config=PATIENT,
+            )
+
+        tasks = [asyncio.ensure_future(member(i)) for i in range(2)]
+        await eventually(lambda: min(len(seen[i]) for i in range(2)) >= 8, "steps", 20)
+        await crash(comms[1])
+        tasks[1].cancel()
+        await asyncio.sleep(0.5)  # the survivor is below min_size now, waiting
+        tasks.append(asyncio.ensure_future(member(2)))
+        results = await asyncio.wait_for(asyncio.gather(tasks[0], tasks[2]), 30)
+        for params in results:
+            assert (params == expected[steps]).all()
+        for index in (0, 2):
+            for step, size, params in seen[index]:
+                assert size == 2
+                assert (params == expected[step]).all(), (index, step)
+        await asyncio.gather(tasks[1], return_exceptions=True)
+
+
 async def test_below_min_size_for_too_long_fails_clearly():
     beats = dsml.RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=0.5)
     async with open_local_cluster(2, config=PATIENT, registry_config=beats) as cluster:
