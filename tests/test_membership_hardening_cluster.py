@@ -137,6 +137,31 @@ async def test_a_3_plus_1_partition_without_registry_leaves_one_group_and_heals_
 
 
 @pytest.mark.timeout(60)
+async def test_a_rank_lost_just_after_the_registry_died_is_agreed_on_once_it_counts_as_away():
+    """The registry dies, then a rank: the survivors report the dropped rank to the
+    registry (it still counts as reachable for half the heartbeat timeout), which never
+    rules. They agreed on the loss only once the rank's links were silent for the whole
+    timeout (a probe: 10 s at the defaults); they now agree as soon as the registry counts
+    as away, half the timeout after its last answer. A survivor that a peer's proposal
+    had told of the loss first counted it on that word only and waited for the lost
+    rank's own proposal until the silence (1 run in 3, before the second fix)."""
+    hb = RegistryConfig(heartbeat_interval=0.25, heartbeat_timeout=6.0)
+    async with open_local_cluster(WORLD, config=CONFIG, registry_config=hb) as cluster:
+        await cluster.run(exact_call)
+        await cluster.registry.aclose()
+        died = time.monotonic()
+        await asyncio.sleep(0.2)
+        await crash(cluster[3])
+        errors = await asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
+        took = time.monotonic() - died
+        assert all(len(e) <= 1 for e in errors), errors
+        assert took < hb.heartbeat_timeout - 1.0, took  # about timeout / 2 + a round
+        assert took > hb.heartbeat_timeout / 2 - 0.5, took  # not before it counted as away
+        views = {(c.epoch, tuple(m.id for m in c.view.members)) for c in cluster.comms[:3]}
+        assert len(views) == 1
+
+
+@pytest.mark.timeout(60)
 async def test_a_rank_lost_while_the_registry_restarts_is_reported_to_the_new_one():
     """The registry dies, a rank dies, the registry is back a moment later: the survivors
     had reported the rank to the old registry, which never ruled. The new one kept it for

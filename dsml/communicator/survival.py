@@ -121,8 +121,11 @@ class Survival:
             # Reported to a registry that then went away without ruling (it died just
             # before them): agree on them now, not once their links are silent for the
             # whole heartbeat timeout.
-            agreed = self.agreement.lost if self.agreement is not None else frozenset()
-            waiting = sorted(m for m in self.reported if m not in agreed)
+            # Not yet this member's own suspicions (`direct`): a peer's proposal may have
+            # put them in the lost set already, on its word, which would leave this
+            # member waiting for their own proposals (they are dead) until the silence.
+            known = self.agreement.direct if self.agreement is not None else frozenset()
+            waiting = sorted(m for m in self.reported if m not in known)
             if waiting:
                 self.peers_lost(waiting, "reported to the registry, which went away")
         if self.views.no_quorum and self.registry_heard():
