@@ -187,12 +187,13 @@ class Runner(RunnerCalls):
         return self._table.turns_taken + self._deferred
 
     def skip_turn(self, reason: str) -> None:
-        """Take the next collective id for an engine op that did not run (a var it
-        touches is poisoned) and mutates `comm.var`, and fail it on every peer: the op
-        would have made a collective there, and without this turn this rank's ids fell one
-        behind the others' for good, pairing later calls of the same shape with the wrong
-        ones (silent wrong sums). The peers' matching call (the first their op makes, which
-        then ends that op) fails with `CollectiveAbortedError` saying why."""
+        """Take the next collective id for an engine op that mutates `comm.var` and made
+        no collective here (it did not run, a var it touches being poisoned, or it failed
+        first), and fail it on every peer: the op made its collective there, and without
+        this turn this rank's ids fell one behind the others' for good, pairing later calls
+        of the same shape with the wrong ones (silent wrong sums). The peers' matching call
+        (the first their op makes, which then ends that op) fails with
+        `CollectiveAbortedError` saying why."""
         self.reject(Request("skipped_op"), reason, why="skipped")
 
     def reject(self, request: Request, reason: str, *, why: str = "failed") -> None:

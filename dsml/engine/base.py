@@ -214,10 +214,10 @@ class EngineBase(ABC):
     ) -> None:
         """Count the op's outcome, keep its poison, wake whoever awaits its handle."""
         ran = op._status is Status.RUNNING
+        failed = isinstance(value, BaseException) and status is not Status.SUCCEEDED
         for var in op._mutates:
             if var._watch is not None:
-                error = value if isinstance(value, BaseException) else None
-                var._watch.ended(op, error if status is not Status.SUCCEEDED else None, ran)
+                var._watch.ended(op, value if failed else None, ran)  # type: ignore[arg-type]
         if op._status is Status.PENDING:
             self._pending -= 1
         elif op._status is Status.RUNNING:
