@@ -133,7 +133,7 @@ def _failure_from(body: Any) -> Failure:
     )
 
 
-def _lost(node: int, host: str) -> Failure:
+def _lost_node(node: int, host: str) -> Failure:
     """A node whose launcher was not heard from for LOST_S."""
     reason = f"its launcher was not heard from for {LOST_S:g} s (killed, or its host is down)"
     return Failure(rank=-1, code=1, node=node, host=host, lost=reason)
@@ -217,7 +217,7 @@ class NodeBoard:
                 if node in self._done or node in self._lost or silent < LOST_S:
                     continue
                 self._lost.add(node)
-                failure = _lost(node, self._hosts.get(identity) or "")
+                failure = _lost_node(node, self._hosts.get(identity) or "")
                 log.warning("%s", failure.report())
                 self._relay(failure, but=identity)
                 self._on_failure(failure)
@@ -347,7 +347,7 @@ class NodeLink:
             if self._zero_done:
                 return
             if loop.time() - self._heard >= LOST_S:
-                failure = _lost(0, self._host0 or "")
+                failure = _lost_node(0, self._host0 or "")
                 log.warning("%s", failure.report())
                 self._on_failure(failure)
                 return

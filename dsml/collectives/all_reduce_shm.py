@@ -46,28 +46,17 @@ Returns False, having written nothing, when some rank had no room in /dev/shm.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .arrays import Array
 from .chunking import split_spans
-from .ops import ReduceOp
+from .ops import UFUNCS, ReduceOp
 from .shm_group import ShmGroup, staging
 
 __all__ = ["all_reduce_shm", "reduce_into", "reduce_slices", "results"]
 
-_UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
 BLOCK_BYTES = 256 << 10  # reduce in blocks that stay in L2 while the inputs stream past
 #: the small schedule reads every rank's whole input: worth a sync less up to this much
 SMALL_READ_BYTES = 4 << 20
@@ -108,7 +97,7 @@ async def _small(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
     if src.nbytes > BLOCK_BYTES or len(inputs) < 2:
         reduce_into(dst, inputs, op, 0, n)
     else:  # one block: what reduce_into does, without its slicing (a few us per call)
-        ufunc = _UFUNCS[op]
+        ufunc = UFUNCS[op]
         ufunc(inputs[0], inputs[1], out=dst)
         for extra in inputs[2:]:
             ufunc(dst, extra, out=dst)
@@ -122,7 +111,7 @@ async def _pair(group: ShmGroup, src: Array, dst: Array, op: ReduceOp) -> bool:
     step = max(1, PAIR_PIECE_BYTES // dtype.itemsize)
     room = group.reserve(0, src.nbytes)
     stage = staging(group.area(rank), src.nbytes).view(dtype) if room else src[:0]
-    ufunc = _UFUNCS[op]
+    ufunc = UFUNCS[op]
     written = 0  # dst[:written] holds results; our input's copy is stage[:written]
     try:
         for a in range(0, n, step):
@@ -229,7 +218,7 @@ def _slot(slice_: int, writer: int) -> int:
 
 def reduce_into(out: Array, inputs: list[Array], op: ReduceOp, lo: int, hi: int) -> None:
     """out[:hi-lo] = inputs[0][lo:hi] op inputs[1][lo:hi] op ... (in list order), by blocks."""
-    ufunc = _UFUNCS[op]
+    ufunc = UFUNCS[op]
     if len(inputs) == 1:
         out[: hi - lo] = inputs[0][lo:hi]
         return

@@ -10,29 +10,17 @@ Arrays handed to algorithms are flat (1-D) and C-contiguous; spans are element r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
 from .devices import is_cupy_array
-from .ops import ReduceOp
+from .ops import UFUNCS, ReduceOp
 
 __all__ = ["NUMPY", "ArrayBackend", "BufferPool", "backend_of"]
 
 Array = Any  # numpy.ndarray here; cupy.ndarray for the GPU backend
-
-_UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
 
 
 class ArrayBackend:
@@ -89,7 +77,7 @@ class ArrayBackend:
             return
         received = np.frombuffer(data, dtype=out.dtype)
         mine = local[lo:hi]
-        ufunc = _UFUNCS[op]
+        ufunc = UFUNCS[op]
         if data_first:
             ufunc(received, mine, out=out[lo:hi])
         else:
@@ -104,8 +92,8 @@ class ArrayBackend:
         """
         received = np.frombuffer(data, dtype=local.dtype)
         if data.readonly:
-            return _UFUNCS[op](received, local[lo:hi])
-        return _UFUNCS[op](received, local[lo:hi], out=received)
+            return UFUNCS[op](received, local[lo:hi])
+        return UFUNCS[op](received, local[lo:hi], out=received)
 
     def writable(self, data: memoryview, dtype: np.dtype[Any]) -> Array | None:
         """Received bytes as a flat array that a result may be written into, or None

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["DTYPES", "ReduceOp", "check_op", "dtype_name", "is_floating"]
+__all__ = ["DTYPES", "UFUNCS", "ReduceOp", "check_op", "dtype_name", "is_floating"]
 
 
 class ReduceOp(enum.StrEnum):
@@ -29,6 +29,18 @@ class ReduceOp(enum.StrEnum):
     BOR = "bor"
     BXOR = "bxor"
 
+
+#: The numpy ufunc that combines two operands for each op (`avg` sums, then divides).
+UFUNCS: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
 
 #: Wire name -> numpy dtype of every dtype the collectives accept.
 DTYPES: dict[str, np.dtype[Any]] = {

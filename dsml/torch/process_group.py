@@ -468,21 +468,19 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         async def checked(comm: Communicator) -> Any:
             run_state.started = True
             try:
-                return await checked_run(comm)
+                if comm.world_size != size or comm.rank != rank:
+                    raise MembershipChangedError(
+                        f"this torch process group has {size} ranks (this is rank {rank}), "
+                        f"but its dsml group now has {comm.world_size} (this is rank "
+                        f"{comm.rank}): a member left or was lost. torch groups keep their "
+                        "size: destroy and re-create the process group (or train with "
+                        "dsml.elastic)",
+                        rank=comm.rank,
+                        epoch=comm.epoch,
+                    )
+                return await run(comm)
             finally:
                 run_state.ended.set()
-
-        async def checked_run(comm: Communicator) -> Any:
-            if comm.world_size != size or comm.rank != rank:
-                raise MembershipChangedError(
-                    f"this torch process group has {size} ranks (this is rank {rank}), but "
-                    f"its dsml group now has {comm.world_size} (this is rank {comm.rank}): a "
-                    "member left or was lost. torch groups keep their size: destroy and "
-                    "re-create the process group (or train with dsml.elastic)",
-                    rank=comm.rank,
-                    epoch=comm.epoch,
-                )
-            return await run(comm)
 
         future = asyncio.run_coroutine_threadsafe(checked(comm), self.comm.loop)
         return DsmlWork(future, what, run_state)
