@@ -9,17 +9,26 @@ import sys
 from typing import Any
 
 
-def dsml(*args: str, env: dict[str, str] | None = None) -> str:
-    """Run `python -m dsml ARGS...` and return its standard output (raise if it fails)."""
+def dsml(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> str:
+    """Run `python -m dsml ARGS...` and return its standard output (raise if it fails).
+    `python -m` imports from the working directory first: to run another checkout's dsml,
+    pass it as `cwd` (and PYTHONPATH), or a run from this checkout's folder runs this one."""
     cmd = [sys.executable, "-m", "dsml", *args]
     environment = {**os.environ, **(env or {})}
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=environment).stdout
+    return subprocess.run(
+        cmd, check=True, capture_output=True, text=True, env=environment, cwd=cwd
+    ).stdout
 
 
 def bench_rows(
-    world_size: int, sizes: str, algorithms: str, env: dict[str, str] | None = None
+    world_size: int,
+    sizes: str,
+    algorithms: str,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The rows `dsml bench --json` prints (`env`: extra environment variables)."""
+    """The rows `dsml bench --json` prints (`env`: extra environment variables; `cwd`:
+    another checkout to run, see `dsml`)."""
     out = dsml(
         "bench",
         "-n",
@@ -30,6 +39,7 @@ def bench_rows(
         algorithms,
         "--json",
         env=env,
+        cwd=cwd,
     )
     return json.loads(out[out.index("[") :])  # type: ignore[no-any-return]
 

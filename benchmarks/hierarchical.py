@@ -121,6 +121,7 @@ def one_group(
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, "DSML_BENCH_TREE": pythonpath, "PYTHONPATH": pythonpath or tree},
+            cwd=pythonpath or None,  # `python -m` imports from the working directory first
         )
         for i, host in enumerate(hosts)
     ]

@@ -90,6 +90,7 @@ def dsml_group(hosts: NetnsHosts, argv: list[str], pythonpath: str = "") -> str:
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})},
+        cwd=pythonpath or None,  # `python -m` imports from the working directory first
     )
     try:
         assert registry.stdout is not None

@@ -101,10 +101,11 @@ def dsml_rows(
     env = None
     name = "dsml"
     if checkout is not None:
+        checkout = os.path.abspath(checkout)
         path = os.environ.get("PYTHONPATH", "")
         env = {"PYTHONPATH": os.pathsep.join(p for p in (checkout, path) if p)}
         name = "base"
-    rows = bench_rows(n, _csv(sizes), algorithms, env=env)
+    rows = bench_rows(n, _csv(sizes), algorithms, env=env, cwd=checkout)
     return [{**r, "algorithm": f"{name}:{r['algorithm']}"} for r in rows]
 
 

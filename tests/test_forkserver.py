@@ -9,6 +9,7 @@ started one by one; and the fall-backs (DSML_FORKSERVER=0, a server with threads
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,42 @@ def test_a_module_runs_under_dash_m_from_the_fork_server(tmp_path: Path) -> None
         assert p["main_is_module"]
     assert len({p["ppid"] for p in probes}) == 1
     assert probes[0]["ppid"] != run.pid
+
+
+@pytest.mark.timeout(90)
+def test_another_dsml_in_the_working_directory_is_not_the_one_ranks_run(tmp_path: Path) -> None:
+    """`python SCRIPT` does not look in the working directory for its imports; the fork
+    server's `python -c` would, and then ranks started in another checkout's folder ran
+    that checkout's dsml (benchmarks' before/after runs compared a tree with itself)."""
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "dsml", other / "dsml", ignore=shutil.ignore_patterns("__pycache__"))
+    script = tmp_path / "which.py"
+    script.write_text(
+        "import os, dsml\nprint(f'WHICH {os.environ[\"DSML_RANK\"]} {dsml.__file__}', flush=True)\n"
+    )
+    env = clean_env(MY_VAR="mine")
+    plain = subprocess.run(  # what Python itself imports there
+        [sys.executable, str(script)],
+        env={**env, "DSML_RANK": "0"},
+        cwd=other,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    expected = plain.stdout.split()[-1]
+    assert expected == str(ROOT / "dsml" / "__init__.py"), plain.stderr
+    # -P: the launcher itself must not pick the copy up either (it is not the subject)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "dsml", "run", "-n", "2", str(script)],
+        env=env,
+        cwd=other,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(line.split("WHICH ", 1)[1] for line in proc.stdout.splitlines())
+    assert lines == [f"0 {expected}", f"1 {expected}"]
 
 
 @pytest.mark.timeout(90)

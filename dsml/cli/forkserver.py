@@ -130,8 +130,9 @@ class ForkServer:
             server._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-c",
-                "from dsml.cli.forkserver import main; main()",
+                _SERVER_CODE,
                 str(theirs.fileno()),
+                _package_root(),
                 env=dict(env),
                 stdin=asyncio.subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
@@ -465,8 +466,25 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
     sys.__excepthook__(kind, exc.with_traceback(tb), tb)  # it shows exc's own traceback
 
 
+#: The server's command. `python -c` puts the working directory first on sys.path, where
+#: `python SCRIPT` would not: a `dsml` (or numpy, zmq, msgpack) in the launcher's working
+#: directory, such as another checkout, would be the one the ranks run. The server puts
+#: the folder of the launcher's own dsml there instead (each rank then replaces it with
+#: its script's folder, as Python does).
+_SERVER_CODE = (
+    "import sys\n"
+    "if sys.path[:1] == ['']: sys.path[0] = sys.argv[2]\n"
+    "from dsml.cli.forkserver import main; main()"
+)
+
+
+def _package_root() -> str:
+    """The folder holding the dsml package this launcher runs."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def main() -> None:
-    """The server: `python -c "from dsml.cli.forkserver import main; main()" FD`."""
+    """The server: `python -c _SERVER_CODE FD ROOT` (see `_SERVER_CODE`)."""
     sock = socket.socket(fileno=int(sys.argv[1]))
     reason = ""
     try:
