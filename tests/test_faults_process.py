@@ -332,12 +332,14 @@ def test_kill_9_of_a_worker_fails_every_survivor_quickly_then_the_survivors_go_o
 
 @pytest.mark.timeout(60)
 def test_two_workers_killed_at_once_are_both_dropped_quickly(tmp_path: Path):
-    """Two of four workers killed together: the survivors go on as a group of 2 about as
-    fast as after one kill, not after the heartbeat timeout (2 s here)."""
+    """Two of four workers killed together (as a host's ranks die): the survivors go on as
+    a group of 2 about as fast as after one kill, not after the heartbeat timeout (2 s
+    here), through one view change: one PeerLostError naming both."""
     with cluster(tmp_path) as run:
         run.start_registry(*HEARTBEATS)
         run.start_workers("--pause", "0.1")
         run.wait_oks(3)
+        victims = sorted(w.of("joined")[0]["rank"] for w in run.workers[:2])
         killed_at = time.time()
         for victim in run.workers[:2]:
             victim.proc.kill()
@@ -351,6 +353,12 @@ def test_two_workers_killed_at_once_are_both_dropped_quickly(tmp_path: Path):
             first = next(e for e in w.of("ok", killed_at) if e["size"] == WORLD - 2)
             assert first["exact"]
             print(f"\nworker {w.index} regrouped {first['t'] - killed_at:.3f} s after the kills")
+            # One view change for both (a host's ranks die together): one error naming
+            # both, not one per rank a few ms apart (which an elastic program restores
+            # from twice).
+            (lost,) = w.of("lost")
+            assert sorted(lost["lost"]) == victims, lost
+            assert all(e["size"] == WORLD - 2 for e in w.of("ok", killed_at))
             assert first["t"] - killed_at < 1.0
         run.finish(survivors)
         run.check_exact()

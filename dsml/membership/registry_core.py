@@ -73,6 +73,8 @@ class RegistryCore:
         #: whose group never forms tells from them that its peers were turned away)
         self._refused: collections.deque[str] = collections.deque(maxlen=8)
         self._suspects: set[str] = set()  # being checked
+        self._removing: set[str] = set()  # lost, removed together in a moment (liveness)
+        self._batch: dict[str, str] | None = None  # ... decided so far: member -> reason
         self._reports: dict[str, set[str]] = {}  # suspect -> members that lost it, this epoch
         self._reports_from = 0.0  # reports before this (queued while it was away) are old
         self.pool = WorkerPool()  # worker daemons waiting for jobs (`dsml worker`)

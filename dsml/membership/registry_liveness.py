@@ -26,6 +26,9 @@ log = logging.getLogger("dsml.registry")
 
 _SUSPECT_CHECKS_S = (0.02, 0.05, 0.1, 0.2, 0.4)  # delays of the re-checks of a suspect
 _LAST_WORDS_S = 0.05  # after a connection is gone, time to read what it sent before
+#: a member dropped on its peers' reports waits this long for reports of others lost with it
+#: (a host's ranks die together: one view change for all of them)
+_GATHER_S = 0.025
 
 
 class RegistryLiveness(RegistryCore):
@@ -142,19 +145,19 @@ class RegistryLiveness(RegistryCore):
         view = self._view
         if view is None or epoch > self._epoch or view.rank_of(reporter) is None:
             return
-        if view.rank_of(suspect) is None:
-            return  # already gone
+        if view.rank_of(suspect) is None or suspect in self._removing:
+            return  # already gone, or about to be
         if epoch == self._epoch and suspect != reporter and time.monotonic() >= self._reports_from:
             reporters = self._reports.setdefault(suspect, set())
             reporters.add(reporter)
             if 2 * len(reporters) > view.size - 1:
                 # Most of the group lost its links to it: cut off from the group, even if
                 # it still reaches the registry (the data path is what it is for).
-                self._remove(
-                    [suspect],
-                    [],
+                self._remove_lost(
+                    suspect,
                     f"member {suspect} is cut off from the group ({len(reporters)} of "
                     f"{view.size - 1} members lost their links to it)",
+                    gather=_GATHER_S,
                 )
                 return
         if suspect in self._suspects:
@@ -176,23 +179,98 @@ class RegistryLiveness(RegistryCore):
                 await asyncio.sleep(delay)
                 if self._view is None or self._view.rank_of(suspect) is None:
                     return  # removed meanwhile (left, or found dead another way)
-                if not self._endpoint.reachable(suspect.encode(), Envelope(Kind.PING)):
+                if suspect in self._removing:
+                    return  # in another member's removal
+                if not self._reachable(suspect):
                     # Its last messages (a LeaveRequest) may still wait in our queue: the
                     # connection can be gone before the reader got to them.
                     await asyncio.sleep(_LAST_WORDS_S)
                     if self._view is None or self._view.rank_of(suspect) is None:
                         return  # it left properly
-                    self._remove(
-                        [suspect],
-                        [],
-                        f"member {suspect} disconnected (reported by {reporter})",
-                    )
+                    if suspect not in self._removing:
+                        self._remove_lost(
+                            suspect, f"member {suspect} disconnected (reported by {reporter})"
+                        )
                     return
             if self._view is not None and self._epoch == epoch:  # else a new view went out
                 log.warning("member %s is still connected; renewing epoch %d", suspect, epoch)
                 self._publish(self._view.members, Change(previous=self._epoch))
         finally:
             self._suspects.discard(suspect)
+
+
+    def _remove_lost(self, member: str, reason: str, gather: float = 0.0) -> None:
+        """End the epoch without `member`, and without the other reported members that are
+        lost too: a host that dies takes all its ranks at once, and a program should see
+        one view change (one error per survivor) for it, not one per rank, which an
+        elastic program restores from each. `gather`: first wait that long for reports of
+        others (a member cut off is dropped on reports alone, and the reports about a
+        second rank can come just after the majority about the first); a removal decided
+        meanwhile joins this one. With reported companions, after `_LAST_WORDS_S` more
+        (their last messages, a LeaveRequest, may still be queued: one that left
+        meanwhile is not counted dead); alone and without `gather`, at once."""
+        if self._batch is not None:
+            self._batch.setdefault(member, reason)
+            self._removing.add(member)
+            return
+        companions = self._companions()
+        if member in companions:
+            companions.remove(member)
+        if not companions and not gather:
+            self._remove([member], [], reason)
+            return
+        self._batch = {member: reason}
+        self._removing.update([member, *companions])
+        self._spawn(self._remove_batch(companions, gather))
+
+    def _companions(self) -> list[str]:
+        """The members reported lost (our own link to one may not have dropped yet) and in
+        no removal already."""
+        view = self._view
+        assert view is not None
+        return [
+            m
+            for m in sorted(self._suspects | set(self._reports))
+            if m not in self._removing and view.rank_of(m) is not None
+        ]
+
+    async def _remove_batch(self, companions: list[str], gather: float) -> None:
+        batch = self._batch
+        assert batch is not None
+        try:
+            if gather:
+                await asyncio.sleep(gather)
+                if self._view is None:
+                    return
+                more = self._companions()
+                self._removing.update(more)
+                companions += more
+            companions = [m for m in companions if m not in batch]
+            if companions:
+                await asyncio.sleep(_LAST_WORDS_S)
+            view = self._view
+            if view is None:
+                return
+            also = [m for m in companions if view.rank_of(m) is not None and self._lost(m, view)]
+            decided = [m for m in batch if view.rank_of(m) is not None]
+            if decided or also:
+                reason = "; ".join(batch[m] for m in decided) or "members lost"
+                if also:
+                    reason += f"; with {'them' if len(decided) > 1 else 'it'} "
+                    reason += f"{', '.join(also)}, lost at the same time"
+                self._remove(decided + also, [], reason)
+        finally:
+            self._batch = None
+            self._removing.difference_update([*batch, *companions])
+
+    def _lost(self, member: str, view: Any) -> bool:
+        """Disconnected from the registry, or cut off from most of the group."""
+        cut_off = 2 * len(self._reports.get(member, ())) > view.size - 1
+        return cut_off or not self._reachable(member)
+
+    def _reachable(self, member: str) -> bool:
+        assert self._endpoint is not None
+        return self._endpoint.reachable(member.encode(), Envelope(Kind.PING))
 
 
 def _counters(body: Any) -> dict[str, int]:
