@@ -307,6 +307,49 @@ def test_node_zero_refuses_to_serve_an_address_of_another_host() -> None:
         node_zero_bind("tcp://203.0.113.77:29500")  # TEST-NET-3: nobody's; only a bind is tried
 
 
+@pytest.mark.timeout(30)
+async def test_node_zero_names_the_nodes_it_still_waits_for_and_a_loopback_address(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node 0's ranks wait in silence for the others until their join timeout; its
+    launcher names the missing nodes, and says when its address is a loopback one that
+    other hosts cannot reach (a common mistake: --registry tcp://127.0.0.1:... on node 0)."""
+    from dsml.cli import nodes
+
+    monkeypatch.setattr(nodes, "BEAT_S", 0.05)
+    monkeypatch.setattr(nodes, "WAITING_S", 0.2)
+    monkeypatch.setattr(nodes, "WAITING_AGAIN_S", 0.3)
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    board = nodes.NodeBoard(NodeShape(3, 1, 0), lambda failure: None).open(address)
+    try:
+        with caplog.at_level("WARNING", logger="dsml.run"):
+            await asyncio.sleep(0.6)
+            said = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+            assert len(said) >= 2  # and again
+            assert f"for nodes 1, 2 of --nnodes 3 to reach this launcher at {address}" in said[0]
+            assert "loopback address, which launchers on other hosts cannot reach" in said[0]
+            link = await nodes.NodeLink(NodeShape(3, 1, 2), lambda failure: None).open(
+                address, timeout_s=5
+            )
+            try:
+                caplog.clear()
+                await asyncio.sleep(0.5)
+                said = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+                assert said
+                assert all("for node 1 of --nnodes 3" in m for m in said), said
+            finally:
+                await link.aclose()
+    finally:
+        await board.aclose()
+    other = nodes.NodeBoard(NodeShape(2, 1, 0), lambda failure: None)
+    other._address = "tcp://10.1.2.3:29501"  # not bound: only the wording
+    text = other.waiting(12.0)
+    assert "after 12 s for node 1 of --nnodes 2" in text
+    assert "loopback" not in text
+    assert "same --registry" in text
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_launcher_killed_is_named_lost_by_the_other_after_its_beats_stop(killed: int) -> None:

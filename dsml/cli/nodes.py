@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import ConfigError, DsmlError, ProtocolError
 from ..transport import Channel, Endpoint
+from ..transport.curve import is_loopback
 from ..wire import Envelope, Fields, Kind
 from .launcher import Failure
 
@@ -45,6 +46,8 @@ _TAIL_LINES = 64
 _DROPS_BEFORE_ANSWER = 5
 BEAT_S = 1.0  # launchers beat on the link this often ...
 LOST_S = 10.0  # ... and one not heard from for this long is lost
+WAITING_S = 10.0  # node 0 names the nodes it has not heard from after this long ...
+WAITING_AGAIN_S = 30.0  # ... and again this often
 
 #: Called with each failure reported by another node's launcher.
 FailureSink = Callable[[Failure], None]
@@ -153,8 +156,10 @@ class NodeBoard:
         self._lost: set[int] = set()
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        self._address = ""
 
     def open(self, address: str, curve: Any = None) -> NodeBoard:
+        self._address = address
         self._endpoint = Endpoint.bind(
             address,
             self._dispatch,
@@ -208,10 +213,17 @@ class NodeBoard:
         self._endpoint.send_nowait(sender, Envelope(Kind.LAUNCH_WELCOME, body=welcome))
 
     async def _watch_nodes(self) -> None:
-        """Every welcomed node still running beats; one silent for LOST_S is lost."""
+        """Every welcomed node still running beats; one silent for LOST_S is lost. Nodes
+        that never said hello are named after WAITING_S, and again every WAITING_AGAIN_S
+        (the ranks here wait for them in silence until their join timeout)."""
         loop = asyncio.get_running_loop()
+        started = loop.time()
+        warn_at = started + WAITING_S
         while True:
             await asyncio.sleep(BEAT_S)
+            if loop.time() >= warn_at and len(self._nodes) < self.shape.nnodes - 1:
+                warn_at = loop.time() + WAITING_AGAIN_S
+                log.warning("%s", self.waiting(loop.time() - started))
             for identity, node in self._nodes.items():
                 silent = loop.time() - self._heard.get(identity, loop.time())
                 if node in self._done or node in self._lost or silent < LOST_S:
@@ -222,6 +234,24 @@ class NodeBoard:
                 self._relay(failure, but=identity)
                 self._on_failure(failure)
                 self._changed.set()
+
+    def waiting(self, waited_s: float) -> str:
+        """What node 0 says while nodes have not said hello yet."""
+        missing = sorted(set(range(1, self.shape.nnodes)) - set(self._nodes.values()))
+        names = ", ".join(map(str, missing))
+        text = (
+            f"still waiting after {waited_s:.0f} s for node{'s' if len(missing) > 1 else ''} "
+            f"{names} of --nnodes {self.shape.nnodes} to reach this launcher at "
+            f"{self._address} (--registry's port + 1). "
+        )
+        if is_loopback(self._address):
+            return text + (
+                "That is a loopback address, which launchers on other hosts cannot reach: "
+                "give every node --registry tcp://HOST:PORT with an address of this host "
+                "that they can reach"
+            )
+        text += "Start them with the same --registry, and check firewalls"
+        return text
 
     def handle_launch_failed(self, sender: bytes, env: Envelope) -> None:
         failure = _failure_from(env.body)
