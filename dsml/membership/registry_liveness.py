@@ -198,7 +198,6 @@ class RegistryLiveness(RegistryCore):
         finally:
             self._suspects.discard(suspect)
 
-
     def _remove_lost(self, member: str, reason: str, gather: float = 0.0) -> None:
         """End the epoch without `member`, and without the other reported members that are
         lost too: a host that dies takes all its ranks at once, and a program should see
