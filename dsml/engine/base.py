@@ -190,12 +190,25 @@ class EngineBase(ABC):
         return loop
 
     def _refuse_waiting_for_itself(self, what: str, ops: Iterable[OpHandle[Any]]) -> None:
-        """ConfigError when the op running here is among `ops`: it would wait forever."""
+        """ConfigError when the op running here is among `ops`, or one of `ops` waits for
+        it through the graph (pushed after it, on a var it reads or mutates): either way
+        it would wait forever."""
         me = current_op()
-        if me is not None and me._owner is self and not me.done() and me in ops:
+        if me is None or me._owner is not self or me.done():
+            return
+        ops = set(ops)
+        fix = "wait outside the op, or push what comes after as an op"
+        if me in ops:
             raise ConfigError(
                 f"op {me.name!r} called {what}, which waits for the op itself: it would "
-                "never return; wait outside the op, or push what comes after as an op"
+                f"never return; {fix}"
+            )
+        behind = _waiting_behind(me, ops)
+        if behind is not None:
+            raise ConfigError(
+                f"op {me.name!r} called {what}, which waits for op {behind.name!r}, but that "
+                f"op waits for {me.name!r} (it was pushed after it, on a var they share, "
+                f"directly or through other ops): it would never return; {fix}"
             )
 
     def _check_var(self, var: Var) -> None:
@@ -245,3 +258,22 @@ class EngineBase(ABC):
     def _observed(self, op: OpHandle[Any]) -> None:
         """The op's error was seen through its handle: reported, no longer kept."""
         self._unreported.pop(op.seq, None)
+
+
+def _waiting_behind(op: OpHandle[Any], targets: set[OpHandle[Any]]) -> OpHandle[Any] | None:
+    """One of `targets` that cannot start before `op` ends (reached from `op` along the
+    dependency edges), or None. Only unfinished ops keep edges, so the walk stays within
+    the ops still pending."""
+    if not targets:
+        return None
+    seen: set[int] = set()
+    stack = list(op._dependents)
+    while stack:
+        later = stack.pop()
+        if id(later) in seen:
+            continue
+        seen.add(id(later))
+        if later in targets:
+            return later
+        stack.extend(later._dependents)
+    return None

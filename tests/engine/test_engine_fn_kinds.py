@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dsml.engine import Engine
-from dsml.errors import ConfigError
+from dsml.errors import ConfigError, DependencyFailedError
 from tests.engine.helpers import thread_until, until
 
 
@@ -134,3 +134,34 @@ async def test_an_op_that_waits_for_itself_gets_a_config_error_not_a_hang(
         op = any_engine.push(fn, mutate=[var])
         with pytest.raises(ConfigError, match="waits for the op itself"):
             await asyncio.wait_for(asyncio.shield(op), 5)  # it hung for good
+
+
+@pytest.mark.parametrize("chain", [1, 2], ids=["direct", "through-another-op"])
+async def test_an_op_waiting_for_a_later_op_that_waits_for_it_gets_a_config_error(
+    engine: Engine, chain: int
+) -> None:
+    """`a` mutates v, then waits for w; w's writer `b` was pushed after `a` and reads v
+    (or reads what an op reading v wrote): `b` cannot start before `a` ends, so the wait
+    would hang for good. A wait for a later op that does not depend on `a` still works."""
+    v, u, w, free = (engine.new_var(n) for n in ("v", "u", "w", "free"))
+    gate = asyncio.Event()
+
+    async def a() -> str:
+        await gate.wait()
+        await engine.wait_var(free)  # its writer does not wait for `a`: fine
+        await engine.wait_var(w)
+        return "never"
+
+    op = engine.push(a, mutate=[v], name="a")
+    engine.push(lambda: None, mutate=[free], name="independent")
+    if chain == 1:
+        engine.push(lambda: None, read=[v], mutate=[w], name="b")
+    else:
+        engine.push(lambda: None, read=[v], mutate=[u], name="c")
+        engine.push(lambda: None, read=[u], mutate=[w], name="b")
+    gate.set()
+    with pytest.raises(ConfigError, match="waits for op 'b', but that op waits for 'a'"):
+        await asyncio.wait_for(asyncio.shield(op), 5)  # it hung for good
+    # ... and the ops behind it end too: `b` met a's failure as poison on v
+    with pytest.raises(DependencyFailedError, match="op 'a' failed with ConfigError"):
+        await asyncio.wait_for(engine.wait_var(w), 5)
