@@ -167,6 +167,8 @@ async def test_a_member_most_others_lost_their_links_to_is_cut_off_though_it_rea
             await eventually(lambda: recorders[3].evicted, "the cut-off member told")
             assert registry.view.size == WORLD - 1
             assert registry.view.rank_of(cut) is None
-            assert "cut off from the group" in recorders[3].evicted[0][1]
+            reason = recorders[3].evicted[0][1]
+            assert "cut off from the group" in reason
+            assert f"the address it gave them, {view.members[3].address}" in reason
         finally:
             await close_all(clients)

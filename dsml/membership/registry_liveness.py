@@ -153,10 +153,15 @@ class RegistryLiveness(RegistryCore):
             if 2 * len(reporters) > view.size - 1:
                 # Most of the group lost its links to it: cut off from the group, even if
                 # it still reaches the registry (the data path is what it is for).
+                index = view.rank_of(suspect)
+                address = view.members[index].address if index is not None else "?"
                 self._remove_lost(
                     suspect,
                     f"member {suspect} is cut off from the group ({len(reporters)} of "
-                    f"{view.size - 1} members lost their links to it)",
+                    f"{view.size - 1} members lost their links to it, or never reached "
+                    f"the address it gave them, {address}: if that address is not "
+                    "reachable from their hosts, choose another with DSML_IFNAME or "
+                    "DSML_BIND)",
                     gather=_GATHER_S,
                 )
                 return
