@@ -268,13 +268,24 @@ time.sleep(60)
 """
 
 
-def _start_sleepers(tmp_path: Path, n: int = 2) -> tuple[subprocess.Popen[str], list[int], int]:
+GRANDCHILD = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(sys.argv[1], "a") as f:
+    f.write(f"{child.pid} ")
+"""
+
+
+def _start_sleepers(
+    tmp_path: Path, n: int = 2, grandchild: bool = False
+) -> tuple[subprocess.Popen[str], list[int], int]:
     """`dsml run -n n sleeper.py`, once every rank printed its pid: (launcher, rank pids,
-    the pid of their parent)."""
+    the pid of their parent). With `grandchild`, each rank first starts a process of its
+    own and appends its pid to tmp_path / "grandchildren"."""
     script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
+    script.write_text((GRANDCHILD if grandchild else "") + SLEEPER)
     proc = subprocess.Popen(
-        [*DSML, "run", "-n", str(n), str(script)],
+        [*DSML, "run", "-n", str(n), str(script), str(tmp_path / "grandchildren")],
         env=clean_env(),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -322,11 +333,19 @@ def test_ctrl_c_reaches_forked_ranks_which_exit_as_python_does(tmp_path: Path) -
 
 
 @pytest.mark.timeout(90)
-def test_killing_the_launcher_leaves_no_server_and_no_rank_behind(tmp_path: Path) -> None:
-    proc, pids, server = _start_sleepers(tmp_path)
+def test_killing_the_launcher_leaves_no_server_rank_or_process_of_a_rank_behind(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of `dsml run`: the server, the ranks and what the ranks started (a data
+    loader's workers, a subprocess: their process group) all end."""
+    proc, pids, server = _start_sleepers(tmp_path, grandchild=True)
+    children = [int(p) for p in (tmp_path / "grandchildren").read_text().split()]
+    assert len(children) == 2
+    assert not any(_gone(pid) for pid in children)
     proc.kill()
     proc.wait()
+    every = [server, *pids, *children]
     deadline = time.monotonic() + 20
-    while not all(_gone(pid) for pid in [server, *pids]) and time.monotonic() < deadline:
+    while not all(_gone(pid) for pid in every) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(_gone(pid) for pid in [server, *pids])
+    assert [pid for pid in every if not _gone(pid)] == []

@@ -136,8 +136,9 @@ class ForkServer:
                 env=dict(env),
                 stdin=asyncio.subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
+                # No parent-death signal for the server: when the launcher dies, the server
+                # reads the end of its socket and kills its ranks' process groups first.
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             ours.close()
@@ -314,7 +315,8 @@ class _Server:
                     packet, fds, flags, _addr = socket.recv_fds(self.sock, _MAX_PACKET, 2)
                 except OSError:
                     packet, fds, flags = b"", [], 0
-                if not packet:
+                if not packet:  # the launcher closed its end, or died
+                    self.stop_all()
                     self.reap()
                     return None
                 request = None if flags & socket.MSG_TRUNC else _unpack(packet)
@@ -363,6 +365,13 @@ class _Server:
         except ProcessLookupError:  # not in its own session yet
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+
+    def stop_all(self) -> None:
+        """Kill the process group of every rank still running, with what its rank started
+        there (a data loader's workers, a subprocess). A rank dies with the server anyway
+        (its parent-death signal); the processes it started would outlive it."""
+        for pid in sorted(self.live):
+            self.signal(pid, signal.SIGKILL)
 
     def reap(self) -> None:
         while True:
