@@ -29,6 +29,7 @@ _LAST_WORDS_S = 0.05  # after a connection is gone, time to read what it sent be
 #: a member dropped on its peers' reports waits this long for reports of others lost with it
 #: (a host's ranks die together: one view change for all of them)
 _GATHER_S = 0.025
+_CUT_OFF = "cut off"  # the reason of a member dropped on reports, worded at its removal
 
 
 class RegistryLiveness(RegistryCore):
@@ -153,17 +154,7 @@ class RegistryLiveness(RegistryCore):
             if 2 * len(reporters) > view.size - 1:
                 # Most of the group lost its links to it: cut off from the group, even if
                 # it still reaches the registry (the data path is what it is for).
-                index = view.rank_of(suspect)
-                address = view.members[index].address if index is not None else "?"
-                self._remove_lost(
-                    suspect,
-                    f"member {suspect} is cut off from the group ({len(reporters)} of "
-                    f"{view.size - 1} members lost their links to it, or never reached "
-                    f"the address it gave them, {address}: if that address is not "
-                    "reachable from their hosts, choose another with DSML_IFNAME or "
-                    "DSML_BIND)",
-                    gather=_GATHER_S,
-                )
+                self._remove_lost(suspect, _CUT_OFF, gather=_GATHER_S)
                 return
         if suspect in self._suspects:
             return  # being checked (a report about an older epoch may still be news)
@@ -221,7 +212,7 @@ class RegistryLiveness(RegistryCore):
         if member in companions:
             companions.remove(member)
         if not companions and not gather:
-            self._remove([member], [], reason)
+            self._remove([member], [], self._why(member, reason, self._view))
             return
         self._batch = {member: reason}
         self._removing.update([member, *companions])
@@ -258,7 +249,7 @@ class RegistryLiveness(RegistryCore):
             also = [m for m in companions if view.rank_of(m) is not None and self._lost(m, view)]
             decided = [m for m in batch if view.rank_of(m) is not None]
             if decided or also:
-                reason = "; ".join(batch[m] for m in decided) or "members lost"
+                reason = "; ".join(self._why(m, batch[m], view) for m in decided)
                 if also:
                     reason += f"; with {'them' if len(decided) > 1 else 'it'} "
                     reason += f"{', '.join(also)}, lost at the same time"
@@ -266,6 +257,24 @@ class RegistryLiveness(RegistryCore):
         finally:
             self._batch = None
             self._removing.difference_update([*batch, *companions])
+
+    def _why(self, member: str, reason: str, view: Any) -> str:
+        """The reason given for a member's removal; for one dropped on reports: dead (its
+        connection to the registry is gone too), else cut off, with the address the
+        reporters could not reach (an interface they have no route to is a usual cause)."""
+        if reason != _CUT_OFF:
+            return reason
+        reporters = len(self._reports.get(member, ()))
+        if not self._reachable(member):
+            return f"member {member} disconnected (reported by {reporters} of its peers)"
+        index = view.rank_of(member)
+        address = view.members[index].address if index is not None else "?"
+        return (
+            f"member {member} is cut off from the group ({reporters} of {view.size - 1} "
+            f"members lost their links to it, or never reached the address it gave them, "
+            f"{address}: if that address is not reachable from their hosts, choose another "
+            "with DSML_IFNAME or DSML_BIND)"
+        )
 
     def _lost(self, member: str, view: Any) -> bool:
         """Disconnected from the registry, or cut off from most of the group."""
