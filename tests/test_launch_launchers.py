@@ -94,6 +94,22 @@ def test_torchrun_nproc_per_node_4_forms_one_group_with_torchruns_ranks() -> Non
     assert_one_group(out, 4)
 
 
+def test_torchrun_max_restarts_forms_a_new_group_after_a_rank_crashed() -> None:
+    """torchrun restarts every rank after one dies; the restarted ranks form a new group
+    (a new registry under a new store key, not the first attempt's) and compute exactly."""
+    port = free_port()
+    script = str(ROOT / "tests" / "scripts" / "torchrun_restart.py")
+    argv = [tool("torchrun"), "--nproc-per-node", "2", "--max-restarts", "1"]
+    argv += ["--monitor-interval", "0.2", "--master-addr", "127.0.0.1"]
+    out = run([*argv, "--master-port", str(port), script], clean_env(), timeout=80)
+    found = [
+        json.loads(line.split("RESTART ", 1)[1]) for line in out.splitlines() if "RESTART " in line
+    ]
+    second = sorted((r["rank"], r["call"], r["value"]) for r in found if r["attempt"] == 1)
+    assert second == [(0, 1, 3.0), (0, 2, 6.0), (1, 1, 3.0), (1, 2, 6.0)], out
+    assert {(r["rank"], r["call"]) for r in found if r["attempt"] == 0} >= {(1, 1)}
+
+
 def test_mpiexec_hydra_with_master_addr_forms_one_group_with_the_mpi_ranks() -> None:
     port = free_port()
     argv = [tool("mpiexec"), "-n", "4", "-genv", "MASTER_ADDR", "127.0.0.1"]
