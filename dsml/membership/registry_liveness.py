@@ -176,7 +176,7 @@ class RegistryLiveness(RegistryCore):
                 if self._view is None or self._view.rank_of(suspect) is None:
                     return  # removed meanwhile (left, or found dead another way)
                 if suspect in self._removing:
-                    return  # in another member's removal
+                    continue  # in a removal being gathered: look again after it
                 if not self._reachable(suspect):
                     # Its last messages (a LeaveRequest) may still wait in our queue: the
                     # connection can be gone before the reader got to them.
