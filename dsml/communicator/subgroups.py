@@ -179,6 +179,7 @@ class Demux:
         self._parent = parent
         self._subs: dict[int, tuple[Mapping[Kind, Inbound], dict[int, int]]] = {}
         self._early: dict[int, list[tuple[int, Envelope, list[memoryview]]]] = {}
+        self._closed: set[int] = set()  # closed here this epoch (numbers are not reused)
         self._held = 0
         self._held_bytes = 0
         self.routes: dict[Kind, Inbound] = {
@@ -196,11 +197,15 @@ class Demux:
             self._dispatch(env.kind, rank, env, payload)
 
     def remove(self, group: int) -> None:
+        """`group` closed here: what its members still send it (their goodbyes, calls
+        this rank gave up) is dropped, not held for a group that will not come back."""
         self._subs.pop(group, None)
+        self._closed.add(group)
 
     def new_epoch(self) -> None:
         """The parent moved to a new view: its sub-groups and what was held for them go."""
         self._subs.clear()
+        self._closed.clear()
         self._early.clear()
         self._held = 0
         self._held_bytes = 0
@@ -211,6 +216,8 @@ class Demux:
             self._parent[kind](rank, env, payload)
             return
         sub = self._subs.get(group)
+        if sub is None and group in self._closed:
+            return
         if sub is None:  # a peer finished the split first: hold it until this rank has
             size = sum(p.nbytes for p in payload)
             if self._held >= _MAX_EARLY or self._held_bytes + size > _MAX_EARLY_BYTES:
