@@ -110,6 +110,26 @@ async def test_every_call_in_flight_fails_and_the_ranks_stay_in_step_after_a_cra
         assert all(isinstance(r, np.ndarray) and (r == 4.0).all() for r in results), results
 
 
+@pytest.mark.timeout(30)
+async def test_a_goodbye_that_never_came_is_warned_of_only_by_ranks_still_open(caplog):
+    """A member's goodbye lost on its way: the ranks still open warn once its wait is over
+    (5 s), but one that closed meanwhile (it reads no more messages) says nothing: under
+    `dsml run`, ranks closing together logged it now and then at the end of a run."""
+    from dsml.testing.faults import Faults, inject
+
+    async with open_local_cluster(3, config=PATIENT) as cluster:
+        leaver, closer = cluster.comms[2], cluster.comms[1]  # rank 0 stays open
+        await cluster.run(lambda c: c.all_reduce(np.ones(2)))
+        inject(leaver, Faults(drop=1.0))  # its goodbye goes nowhere
+        await leaver.aclose()
+        await asyncio.sleep(1.0)  # the registry's word of it reaches the others
+        await closer.aclose()
+        with caplog.at_level("WARNING", logger="dsml"):
+            await asyncio.sleep(5.6)
+        said = [r for r in caplog.records if "left without a goodbye" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]  # the rank still open
+
+
 async def test_a_silent_member_is_evicted_after_the_heartbeat_timeout_and_told_so():
     async with open_local_cluster(3, config=PATIENT, registry_config=FAST_BEATS) as cluster:
         silent = cluster[2]

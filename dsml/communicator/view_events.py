@@ -179,7 +179,8 @@ class ViewEvents(ViewBase):
         """The registry said rank left, but its goodbye never came: end its receives."""
         if self.links.epoch != epoch or rank in self.table.said_goodbye:
             return  # it came, or that epoch's calls are over
-        log.warning("rank %d left without a goodbye reaching this rank", rank)
+        if self.survival is None or not self.survival.stopped:  # closing: no reader left
+            log.warning("rank %d left without a goodbye reaching this rank", rank)
         self.table.peer_messages_ended(rank)
 
     def _break(self, view: View, change: Change) -> None:
