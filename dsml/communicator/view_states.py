@@ -39,8 +39,9 @@ _BROKEN = frozenset({S.MEMBER_LEFT, S.MEMBER_LOST, S.NO_QUORUM})
 
 #: event -> state before -> the states it may lead to. Everything not listed is a bug.
 TRANSITIONS: dict[str, dict[ViewState, frozenset[ViewState]]] = {
-    # the first view, from `dsml.init`
-    "formed": {S.JOINING: frozenset({S.STEADY})},
+    # the first view, from `dsml.init`; messages held for it are delivered as it is
+    # entered, and a peer's goodbye among them leaves this rank in MEMBER_LEFT at once
+    "formed": {S.JOINING: frozenset({S.STEADY, S.MEMBER_LEFT})},
     # the registry's new view: members lost or left (no boundary), or joiners admitted
     # (a boundary agreed); a view no newer than what we know changes nothing
     "view": {

@@ -48,6 +48,29 @@ async def test_formed_installs_the_first_view_and_runs_calls_at_once():
     assert views.immediate()
 
 
+async def test_formed_with_a_goodbye_held_for_it_leaves_the_member_left_at_once():
+    """A peer that closed before this rank had its first view: its goodbye, held for
+    that view, is delivered as the view is entered (a probe saw the transition logged
+    as a bug)."""
+    links, registry = FakeLinks(), FakeRegistry()
+    table = CallTable(links, links.config)  # type: ignore[arg-type]
+    views = ViewChanges(table, links, registry, view_timeout=1.0)  # type: ignore[arg-type]
+    enter = links.enter
+
+    def enter_and_deliver(first):  # what the real links do with messages held for it
+        enter(first)
+        views.peer_left(2, 0, table.peer_closed(2, 0, None))  # as handle_goodbye does
+
+    links.enter = enter_and_deliver  # type: ignore[method-assign]
+    views.install_first(view(1, 0, 1, 2))
+    assert views.history[0] == ("peer left", S.STEADY, S.MEMBER_LEFT)
+    assert last(views) == ("formed", S.JOINING, S.MEMBER_LEFT)
+    await views.admit()  # call #1: it fails at its start (the member made no call)
+    doomed = in_flight(table)
+    assert table.check_start(doomed) is not None
+    table.finish(doomed)
+
+
 async def test_member_lost_fails_calls_in_flight_then_installs_the_survivors_view():
     views, table, links, _ = machine()
     call = in_flight(table)
