@@ -367,6 +367,18 @@ async def test_a_refused_send_keeps_its_place_between_the_sends_around_it():
         await asyncio.gather(before, after)
 
 
+async def test_a_rank_closing_right_after_a_refused_send_still_tells_the_receiver_why():
+    """The refusal goes out from a task; the sender's goodbye went out before it ran, and
+    the receiver failed as if the sender had just left (new-user probe)."""
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        waiting = cluster[1].recv(0)
+        with pytest.raises(ConfigError, match="dtype object"):
+            cluster[0].send(np.array([object()]), 1)
+        await cluster[0].aclose()  # at once: no other await in between
+        with pytest.raises(CollectiveAbortedError, match="rank 0 refused the matching send"):
+            await waiting
+
+
 async def test_a_send_refused_for_its_timeout_is_refused_to_the_receiver_too():
     async with open_local_cluster(2, config=PATIENT) as cluster:
         with pytest.raises(ConfigError, match="timeout"):

@@ -51,6 +51,7 @@ class PointToPoint:
         self._table = table
         self._placement = placement
         self._tasks = tasks  # refusals are sent from tasks of the communicator
+        self._refusals: set[asyncio.Task[None]] = set()  # ... not sent yet
         self._sent: Counter[tuple[int, int]] = Counter()
         self._received: Counter[tuple[int, int]] = Counter()
 
@@ -147,7 +148,16 @@ class PointToPoint:
         refusal takes the send's place in the (dst, tag) stream: like a send, it is
         numbered in the first step of a task of its own, so it keeps its place among the
         sends started before and after it, whether tasks start eagerly or not."""
-        self._tasks.spawn(self._send_refusal(dst, tag, reason))
+        task = self._tasks.spawn(self._send_refusal(dst, tag, reason))
+        self._refusals.add(task)
+        task.add_done_callback(self._refusals.discard)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) for the refusals not sent yet: a rank that closes
+        right after a refused send must tell the receiver why before its goodbye does,
+        or the receive fails as if the sender had just left."""
+        if self._refusals:
+            await asyncio.wait(set(self._refusals), timeout=timeout_s)
 
     async def _send_refusal(self, dst: int, tag: int, reason: str) -> None:
         table = self._table
