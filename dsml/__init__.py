@@ -78,5 +78,18 @@ __all__ = [
     "open_registry",
 ]
 
+_LAZY = ("blocking", "testing")  # submodules `dsml.X` gives without `import dsml.X`
+
+
+def __getattr__(name: str) -> object:
+    """`dsml.blocking` and `dsml.testing` after a plain `import dsml`, imported on first
+    use (the README writes `with dsml.blocking.init() as comm:`)."""
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 log.configure_from_env()  # DSML_LOG_LEVEL=debug shows the library's lines on stderr (the fork
 # server of `dsml run` calls it again in each rank: dsml/cli/forkserver.py)

@@ -38,6 +38,35 @@ class Opener(Generic[R]):
     def __await__(self) -> Generator[Any, None, R]:
         return self._open().__await__()
 
+    # The usual slips: a plain `with`, or a forgotten `await` (then the first method call
+    # lands here). Each says what to write instead, not Python's generic error.
+
+    def _misuse(self, what: str) -> TypeError:
+        var = {"dsml.init": "comm", "dsml.open_registry": "registry"}.get(self._name, "it")
+        hint = (
+            " (or, in synchronous code, `with dsml.blocking.init() as comm:` after "
+            "`import dsml.blocking`)"
+            if self._name == "dsml.init"
+            else ""
+        )
+        return TypeError(
+            f"{what}: {self._name}(...) opens asynchronously; inside a coroutine write "
+            f"`async with {self._name}(...) as {var}:` or `{var} = await {self._name}(...)`"
+            f"{hint}"
+        )
+
+    def __enter__(self) -> None:
+        raise self._misuse("a plain `with` cannot open it")
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        error = self._misuse(f"`.{name}` of what {self._name}(...) returns, not awaited")
+        raise OpenerMisuse(str(error))
+
     async def _open(self) -> R:
         return await self._open_fn()
 
@@ -58,3 +87,9 @@ class Opener(Generic[R]):
             await resource.__aexit__(exc_type, exc, tb)
         else:
             await resource.aclose()
+
+
+class OpenerMisuse(AttributeError, TypeError):
+    """An attribute of an opener asked for as if it were what it opens (an `await`
+    forgotten); an AttributeError too, so `hasattr` and `getattr(..., default)` still
+    answer as they would."""

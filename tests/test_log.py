@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -129,3 +132,37 @@ def test_running_init_with_asyncio_run_says_how_to_use_it(monkeypatch):
     with pytest.raises(ValueError, match=r"async with dsml\.init\(\.\.\.\) as comm") as info:
         asyncio.run(dsml.init())  # type: ignore[arg-type]
     assert "asyncio.run(main())" in str(info.value)
+
+
+async def test_init_with_a_plain_with_or_without_await_says_how_to_use_it(monkeypatch):
+    """The new-user slips: Python's own errors ('Opener' object has no attribute
+    'all_reduce', does not support the context manager protocol) did not say what to do."""
+    monkeypatch.setenv("DSML_REGISTRY", "tcp://127.0.0.1:9")
+    monkeypatch.setenv("DSML_WORLD_SIZE", "1")
+    opener = dsml.init()  # await forgotten
+    with pytest.raises(AttributeError, match=r"comm = await dsml\.init\(\.\.\.\)"):
+        opener.all_reduce(np.ones(2))  # type: ignore[attr-defined]
+    assert not hasattr(opener, "all_reduce")  # still an AttributeError for hasattr
+    with (
+        pytest.raises(TypeError, match=r"async with dsml\.init\(\.\.\.\) as comm"),
+        dsml.init(),  # type: ignore[attr-defined]
+    ):
+        pass
+    with (
+        pytest.raises(TypeError, match=r"async with dsml\.Client\(\.\.\.\) as client"),
+        dsml.Client("tcp://127.0.0.1:9"),  # type: ignore[attr-defined]
+    ):
+        pass
+    with (
+        pytest.raises(TypeError, match=r"async with dsml\.LocalCluster\(n\) as cluster"),
+        dsml.LocalCluster(2),  # type: ignore[attr-defined]
+    ):
+        pass
+    with pytest.raises(dsml.DsmlError, match=r"not started: use `async with"):
+        dsml.LocalCluster(2).client()
+
+
+def test_blocking_and_testing_come_with_a_plain_import_dsml():
+    code = "import dsml; print(dsml.blocking.init.__module__, dsml.testing.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["dsml.blocking", "dsml.testing"]

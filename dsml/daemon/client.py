@@ -321,6 +321,15 @@ class Client(ClientReplies):
     async def __aenter__(self) -> Client:
         return self
 
+    def __enter__(self) -> None:
+        raise TypeError(
+            "a Client closes asynchronously: use `async with dsml.Client(...) as client:` "
+            "inside a coroutine (or `await client.aclose()` when done)"
+        )
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
+        return None
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,

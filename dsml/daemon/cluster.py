@@ -101,6 +101,15 @@ class LocalCluster:
     def __await__(self) -> Generator[Any, None, LocalCluster]:
         return self.start().__await__()
 
+    def __enter__(self) -> None:
+        raise TypeError(
+            "a LocalCluster starts and stops asynchronously: use `async with "
+            "dsml.LocalCluster(n) as cluster:` inside a coroutine"
+        )
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
+        return None
+
     async def __aenter__(self) -> LocalCluster:
         return await self.start()
 
@@ -225,6 +234,11 @@ class LocalCluster:
 
     def client(self) -> Client:
         """A `dsml.Client` of this cluster (closed with the cluster)."""
+        if self._state == "new":
+            raise DsmlError(
+                "this LocalCluster is not started: use `async with dsml.LocalCluster(n) as "
+                "cluster:` (or `await cluster.start()`) inside a coroutine first"
+            )
         if self._state != "running":
             raise DsmlError(f"this LocalCluster is {self._state}")
         client = Client(self.address)
