@@ -11,8 +11,8 @@ bookkeeping: wiring, poison checks, counters, outcome, release.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -107,4 +107,8 @@ async def main(n: int, repeats: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 10000, 5))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("n", nargs="?", type=int, default=10000, help="ops per run")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per case")
+    args = parser.parse_args()
+    asyncio.run(main(args.n, args.repeat))

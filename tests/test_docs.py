@@ -165,3 +165,20 @@ def test_the_cli_reference_shows_every_command_from_the_parser(site):
     for name in parser._subparsers._group_actions[0].choices:
         assert f"usage: dsml {name}" in html, name
     assert "--log-level" in html
+
+
+def test_the_api_page_lists_every_config_field_and_elastic_run_parameter():
+    """docs/api.md's CommConfig table and dsml.elastic.run signature, against the code
+    (the new-user probe found six fields and two parameters missing)."""
+    import dataclasses
+    import inspect
+
+    import dsml
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE))
+    fields = [f.name for f in dataclasses.fields(dsml.CommConfig)]
+    assert [f for f in fields if f not in rows] == []
+    call = text.split("await dsml.elastic.run(", 1)[1].split("\n)\n", 1)[0]
+    params = list(inspect.signature(dsml.elastic.run).parameters)
+    assert [p for p in params if p not in call] == []
