@@ -302,6 +302,32 @@ def test_node_shapes_give_ranks_by_node_and_refuse_impossible_ones() -> None:
         link_address("ipc:///tmp/registry")
 
 
+def test_a_registry_nobody_serves_is_named_by_the_launcher_at_once() -> None:
+    """The ranks wait for a --registry that is not up yet for their registry timeout (it
+    may be starting); the launcher says so at once instead of only their tracebacks 10 s
+    later (new-user probe)."""
+    port = free_port()
+    script = str(SCRIPTS / "wait_forever.py")
+    proc = subprocess.Popen(
+        [*DSML, "run", "-n", "1", "--registry", f"tcp://127.0.0.1:{port}", script],
+        env=clean_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        started = time.monotonic()
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert f"no registry answered at tcp://127.0.0.1:{port}" in line, line
+        assert "the ranks wait for it up to their registry timeout" in line.lower(), line
+        assert time.monotonic() - started < 8  # the query's 2 s, and the start-up
+    finally:
+        proc.kill()  # the launcher only (our child); its rank dies with it
+        proc.wait()
+
+
 def test_node_zero_refuses_to_serve_an_address_of_another_host() -> None:
     with pytest.raises(dsml.ConfigError, match="not an address of this host"):
         node_zero_bind("tcp://203.0.113.77:29500")  # TEST-NET-3: nobody's; only a bind is tried

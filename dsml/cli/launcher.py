@@ -421,8 +421,8 @@ class Launch:
         return self._exit_code()
 
     def _exit_code(self) -> int:
-        if self.interrupted:  # what happened here comes first: 130, as after any Ctrl-C
-            return 130
+        if self.interrupted:  # what happened here comes first: 128 + the signal's number
+            return 128 + signal.Signals[self._stopped_by or "SIGINT"].value
         if self.failure is not None:
             code = self.failure.code
             return code if code > 0 else 128 - code

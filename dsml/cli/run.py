@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 from typing import Any
@@ -30,6 +31,8 @@ from ..transport.addresses import is_local_address, resolve_host
 from .keys import add_curve_keys_option
 from .launcher import CPU_BIND, Launch
 from .nodes import NodeBoard, NodeLink, NodeShape, link_address
+
+log = logging.getLogger("dsml.run")
 
 __all__ = ["add_parser", "launch", "launch_node"]
 
@@ -202,8 +205,15 @@ async def check_running_group(registry: str, world_size: int, curve: Any = None)
     while True:
         try:
             status = await query_status(registry, registry_timeout=2.0, curve=curve)
-        except DsmlError:
-            return  # not up yet: the ranks wait for it and say so if it never comes
+        except DsmlError as exc:
+            # Maybe not up yet: the ranks wait for it and fail if it never comes. Say so
+            # now, not only when they give up.
+            log.warning(
+                "%s. The ranks wait for it up to their registry timeout (10 s unless "
+                "configured); or leave --registry out to run one in this launcher",
+                str(exc).rstrip("."),
+            )
+            return
         size = status.get("world_size")
         if not (type(size) is int and size and size != world_size):
             return
