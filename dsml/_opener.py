@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["AsyncResource", "Opener"]
+__all__ = ["AsyncOnly", "AsyncResource", "Opener"]
 
 
 class AsyncResource(Protocol):
@@ -93,3 +93,16 @@ class OpenerMisuse(AttributeError, TypeError):
     """An attribute of an opener asked for as if it were what it opens (an `await`
     forgotten); an AttributeError too, so `hasattr` and `getattr(..., default)` still
     answer as they would."""
+
+
+class AsyncOnly:
+    """A mixin for objects entered with `async with` only: a plain `with` raises a
+    TypeError that says what to write (`_ASYNC_HINT`), not Python's generic one."""
+
+    _ASYNC_HINT = "use `async with` inside a coroutine"
+
+    def __enter__(self) -> None:
+        raise TypeError(self._ASYNC_HINT)
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
+        return None

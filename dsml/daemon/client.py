@@ -30,6 +30,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from .._opener import AsyncOnly
 from ..config import CommConfig
 from ..errors import (
     ConfigError,
@@ -61,7 +62,7 @@ def _nothing_ran(exc: RemoteError) -> bool:
     return exc.error_type == "refused" and BUSY in str(exc)
 
 
-class Client(ClientReplies):
+class Client(AsyncOnly, ClientReplies):
     """Submits jobs to the worker daemons listed by the registry at `registry`.
 
     Args:
@@ -71,6 +72,11 @@ class Client(ClientReplies):
         connect_timeout: how long a worker may take to accept a job before it is
             reported as unreachable.
     """
+
+    _ASYNC_HINT = (
+        "a Client closes asynchronously: use `async with dsml.Client(...) as client:` "
+        "inside a coroutine (or `await client.aclose()` when done)"
+    )
 
     def __init__(
         self,
@@ -320,15 +326,6 @@ class Client(ClientReplies):
 
     async def __aenter__(self) -> Client:
         return self
-
-    def __enter__(self) -> None:
-        raise TypeError(
-            "a Client closes asynchronously: use `async with dsml.Client(...) as client:` "
-            "inside a coroutine (or `await client.aclose()` when done)"
-        )
-
-    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
-        return None
 
     async def __aexit__(
         self,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from .._opener import AsyncOnly
 from .._process import describe_exit, die_with_parent
 from ..collectives.devices import parse_device
 from ..errors import ConfigError, DsmlError
@@ -54,7 +55,7 @@ class WorkerProcess:
         return self.process is not None and self.process.returncode is None
 
 
-class LocalCluster:
+class LocalCluster(AsyncOnly):
     """A registry and `n_workers` worker daemons as local processes (see module docstring).
 
     Args:
@@ -66,6 +67,11 @@ class LocalCluster:
         env: extra environment variables for the processes.
         threads_per_worker: OMP_NUM_THREADS of each worker (unless `env` sets it).
     """
+
+    _ASYNC_HINT = (
+        "a LocalCluster starts and stops asynchronously: use `async with "
+        "dsml.LocalCluster(n) as cluster:` inside a coroutine"
+    )
 
     def __init__(
         self,
@@ -100,15 +106,6 @@ class LocalCluster:
 
     def __await__(self) -> Generator[Any, None, LocalCluster]:
         return self.start().__await__()
-
-    def __enter__(self) -> None:
-        raise TypeError(
-            "a LocalCluster starts and stops asynchronously: use `async with "
-            "dsml.LocalCluster(n) as cluster:` inside a coroutine"
-        )
-
-    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
-        return None
 
     async def __aenter__(self) -> LocalCluster:
         return await self.start()
