@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from ..collectives.devices import parse_device, resolve_device
-from ..config import RegistryConfig
+from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, DsmlError
 from ..membership import Registry, open_registry, query_status
 from ..transport import Curve, check_address
@@ -209,9 +209,10 @@ async def check_running_group(registry: str, world_size: int, curve: Any = None)
             # Maybe not up yet: the ranks wait for it and fail if it never comes. Say so
             # now, not only when they give up.
             log.warning(
-                "%s. The ranks wait for it up to their registry timeout (10 s unless "
-                "configured); or leave --registry out to run one in this launcher",
+                "%s. The ranks wait for it up to their registry timeout (%g s by default); "
+                "or leave --registry out to run one in this launcher",
                 str(exc).rstrip("."),
+                CommConfig().registry_timeout,
             )
             return
         size = status.get("world_size")
