@@ -13,10 +13,26 @@ class AsyncResource(Protocol):
     async def aclose(self) -> None: ...
 
 
+class AsyncOnly:
+    """A mixin for objects entered with `async with` only: a plain `with` raises a
+    TypeError that says what to write (`_ASYNC_HINT`), not Python's generic one."""
+
+    _ASYNC_HINT = "use `async with` inside a coroutine"
+
+    def _sync_misuse(self) -> str:
+        return self._ASYNC_HINT
+
+    def __enter__(self) -> None:
+        raise TypeError(self._sync_misuse())
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
+        return None
+
+
 R = TypeVar("R", bound=AsyncResource)
 
 
-class Opener(Generic[R]):
+class Opener(AsyncOnly, Generic[R]):
     """`await opener` gives the resource; `async with opener as r` also closes it."""
 
     def __init__(self, open_fn: Callable[[], Awaitable[R]], name: str | None = None) -> None:
@@ -28,7 +44,7 @@ class Opener(Generic[R]):
 
     def __repr__(self) -> str:
         # What `asyncio.run(dsml.init())` shows in its "a coroutine was expected" error.
-        var = {"dsml.init": "comm", "dsml.open_registry": "registry"}.get(self._name, "it")
+        var = self._var
         return (
             f"{self._name}(...), which is not a coroutine: use it inside one, as in "
             f"`async def main(): async with {self._name}(...) as {var}: ...` and then "
@@ -41,31 +57,33 @@ class Opener(Generic[R]):
     # The usual slips: a plain `with`, or a forgotten `await` (then the first method call
     # lands here). Each says what to write instead, not Python's generic error.
 
-    def _misuse(self, what: str) -> TypeError:
-        var = {"dsml.init": "comm", "dsml.open_registry": "registry"}.get(self._name, "it")
+    @property
+    def _var(self) -> str:
+        """What the examples in its messages call the opened resource."""
+        return {"dsml.init": "comm", "dsml.open_registry": "registry"}.get(self._name, "it")
+
+    def _misuse(self, what: str) -> str:
+        var = self._var
         hint = (
             " (or, in synchronous code, `with dsml.blocking.init() as comm:` after "
             "`import dsml.blocking`)"
             if self._name == "dsml.init"
             else ""
         )
-        return TypeError(
+        return (
             f"{what}: {self._name}(...) opens asynchronously; inside a coroutine write "
             f"`async with {self._name}(...) as {var}:` or `{var} = await {self._name}(...)`"
             f"{hint}"
         )
 
-    def __enter__(self) -> None:
-        raise self._misuse("a plain `with` cannot open it")
-
-    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
-        return None
+    def _sync_misuse(self) -> str:
+        return self._misuse("a plain `with` cannot open it")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        error = self._misuse(f"`.{name}` of what {self._name}(...) returns, not awaited")
-        raise OpenerMisuse(str(error))
+        what = f"`.{name}` of what {self._name}(...) returns, not awaited"
+        raise OpenerMisuse(self._misuse(what))
 
     async def _open(self) -> R:
         return await self._open_fn()
@@ -93,16 +111,3 @@ class OpenerMisuse(AttributeError, TypeError):
     """An attribute of an opener asked for as if it were what it opens (an `await`
     forgotten); an AttributeError too, so `hasattr` and `getattr(..., default)` still
     answer as they would."""
-
-
-class AsyncOnly:
-    """A mixin for objects entered with `async with` only: a plain `with` raises a
-    TypeError that says what to write (`_ASYNC_HINT`), not Python's generic one."""
-
-    _ASYNC_HINT = "use `async with` inside a coroutine"
-
-    def __enter__(self) -> None:
-        raise TypeError(self._ASYNC_HINT)
-
-    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ raised
-        return None

@@ -40,7 +40,7 @@ from .view_changes import ViewChanges
 
 __all__ = ["Communicator"]
 
-_CLOSE_GRACE_S = 2.0  # how long closing waits for background sends (goodbyes, aborts)
+CLOSE_GRACE_S = 2.0  # how long closing waits for background sends (goodbyes, aborts)
 _DRAIN_S = 1.0  # how long a graceful close lets the calls in flight finish
 
 
@@ -169,9 +169,9 @@ class Communicator(CommunicatorGroups):
         unfinished = [cid for cid in (withheld, in_flight) if cid is not None]
         last = min(unfinished) - 1 if unfinished else self._table.next_cid - 1
         epoch = self._links.epoch  # the numbering `last` counts in
-        await self._p2p.settle(_CLOSE_GRACE_S)  # refused sends say why before the goodbye
+        await self._p2p.settle(CLOSE_GRACE_S)  # refused sends say why before the goodbye
         self._links.say_goodbye(last, reason)  # peers hear why first: the goodbye carries it
-        await self._tasks.aclose(_CLOSE_GRACE_S)  # flushes the goodbye and other sends
+        await self._tasks.aclose(CLOSE_GRACE_S)  # flushes the goodbye and other sends
         await self._links.aclose()
         try:
             if not self._views.evicted:

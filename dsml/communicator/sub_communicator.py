@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from . import subgroups
 from .call_table import CallTable
-from .communicator import _CLOSE_GRACE_S, Communicator
+from .communicator import CLOSE_GRACE_S, Communicator
 from .engine_link import EngineLink
 from .p2p import PointToPoint
 from .plans import Planner
@@ -71,7 +71,7 @@ class SubCommunicator(Communicator):
         await self._engine_link.aclose(cancel=cancel or error is not None)
         await self._runner.cancel_all()
         reason = f"{type(error).__name__}: {error}" if error is not None else None
-        await self._p2p.settle(_CLOSE_GRACE_S)  # refused sends say why before the goodbye
+        await self._p2p.settle(CLOSE_GRACE_S)  # refused sends say why before the goodbye
         if self._root._links.view is not None and self._views.immediate():
             self._links.say_goodbye(self._table.next_cid - 1, reason)
         self._detach()
