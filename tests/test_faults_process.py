@@ -305,8 +305,13 @@ def test_kill_9_of_a_worker_fails_every_survivor_quickly_then_the_survivors_go_o
             assert all(in_flight)
         if phase == "all_gather":  # some ranks may finish the call #3 (see the docstring)
             assert any(in_flight)
-        if phase == "between":  # every survivor was still asleep after call #3 at the kill
-            assert all(killed_at < w.of("between")[KILL_AT - 1]["t"] + pause for w in survivors)
+        if phase == "between":  # a survivor whose call #3 returned was still asleep at the kill
+            for w in survivors:
+                slept = [e for e in w.of("between") if e["i"] == KILL_AT]
+                if slept:
+                    assert killed_at < slept[0]["t"] + pause
+                else:  # its call #3 failed: the victim's last chunk never left it
+                    assert w.of("lost")[0]["i"] == KILL_AT
         DETECTION[phase] = delays
         print(
             f"\n{phase}: connection drop seen {[round(d, 3) for d in seen]} s after the kill, "
