@@ -67,6 +67,24 @@ def test_every_collective_works_under_dsml_run():
     assert sorted(result.stdout.split()).count("ok") == 3, result.stdout
 
 
+def test_init_process_group_dsml_needs_no_import_of_dsml_torch():
+    """torch loads the "torch.backends" entry point that registers "dsml" (_dsml_torch.py)."""
+    result = dsml_run(2, "torch_no_import.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split().count("ok") == 2, result.stdout
+    assert result.stderr.count("imported by torch: True") == 2, result.stderr[-3000:]
+
+
+def test_importing_torch_does_not_import_dsml():
+    """The autoload hook only names the backend: dsml (ZeroMQ, numpy...) loads on first use."""
+    code = (
+        "import sys, torch.distributed as d; "
+        "print('dsml' in d.Backend.backend_list, 'dsml' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
+
+
 def test_every_collective_works_under_torchrun_through_the_store():
     result = subprocess.run(
         [
