@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -289,6 +290,42 @@ def test_status_exits_1_when_no_registry_answers():
     result = dsml_cmd("status", "--registry", "tcp://127.0.0.1:9", "--wait", "0.5")
     assert result.returncode == 1
     assert "no registry answered" in result.stderr
+
+
+def test_help_gives_one_default_per_flag_and_registry_from_the_environment_is_optional():
+    for sub in ("run", "bench", "status"):
+        text = " ".join(dsml_cmd(sub, "--help").stdout.split())
+        help_of = text.split("--registry REGISTRY", 2)[-1].split(" --", 1)[0]
+        assert help_of.count("default:") == 1, (sub, help_of)
+        assert "$DSML_REGISTRY" in help_of, (sub, help_of)
+        assert "[--registry REGISTRY]" in text, sub  # the usage line: not required
+    missing = dsml_cmd("status", env={"DSML_REGISTRY": ""})
+    assert missing.returncode == 2
+    assert "no registry: pass --registry" in missing.stderr
+    assert "DSML_REGISTRY" in missing.stderr
+
+
+def test_a_port_that_answers_but_is_no_registry_is_named_as_such():
+    """Something that accepts TCP but speaks no ZeroMQ: "start one there" would fail."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        busy = dsml_cmd("status", "--registry", address, "--wait", "0.5")
+    assert busy.returncode == 1
+    assert "something listens on that port but did not answer as a dsml registry" in busy.stderr
+    assert "Start one with" not in busy.stderr
+    free = dsml_cmd("status", "--registry", "tcp://127.0.0.1:9", "--wait", "0.5")
+    assert "nothing listens there. Start one with `dsml registry" in free.stderr
+
+
+def test_the_hint_of_a_missing_registry_knows_dsml_registry_is_exported():
+    """Exported, DSML_REGISTRY is --registry's default: leaving the flag out is not enough."""
+    script = str(ROOT / "examples" / "hello_all_reduce.py")
+    env = {"DSML_REGISTRY": "tcp://127.0.0.1:9", "DSML_REGISTRY_TIMEOUT": "1"}
+    result = dsml_cmd("run", "-n", "1", script, env=env, timeout=120)
+    assert result.returncode != 0
+    assert "unset DSML_REGISTRY and leave --registry out" in result.stderr, result.stderr[-2000:]
 
 
 def test_a_standalone_registry_serves_runs_and_status_then_stops_on_sigterm():

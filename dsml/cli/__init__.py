@@ -100,8 +100,13 @@ def _registry_from_env(parser: argparse.ArgumentParser, registry: str | None) ->
     for action in parser._actions:
         if action.dest != "registry":
             continue
-        if "DSML_REGISTRY" not in (action.help or ""):
-            action.help = f"{action.help or 'registry address'} (default: $DSML_REGISTRY)"
+        text = action.help or "registry address"
+        if "DSML_REGISTRY" not in text:  # one default in the help, not two
+            if "(default: " in text:
+                text = text.replace("(default: ", "(default: $DSML_REGISTRY, else ", 1)
+            else:
+                text += " (default: $DSML_REGISTRY)"
+            action.help = text
         if registry and action.default is None:
             action.default = registry
             action.required = False

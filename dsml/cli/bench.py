@@ -154,10 +154,15 @@ def _main(args: argparse.Namespace) -> int:
     return code
 
 
+# "hierarchical(direct)" is the longest name a row shows: what ran, with what auto or
+# hierarchical chose inside it
+NAME_WIDTH = 20
+
+
 def header(world_size: int, op: str, dtype: str, device: str = "cpu") -> str:
     return (
         f"# dsml bench: world_size={world_size} op={op} dtype={dtype} device={device}\n"
-        f"# {'bytes':>12} {'algorithm':>14} {'iters':>6} {'p10(us)':>10} {'p50(us)':>10} "
+        f"# {'bytes':>12} {'algorithm':>{NAME_WIDTH}} {'iters':>6} {'p10(us)':>10} {'p50(us)':>10} "
         f"{'p90(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
     )
 
@@ -167,8 +172,8 @@ def format_row(row: dict[str, Any]) -> str:
     if row.get("chosen") and row["chosen"] != name:  # what auto chose; shm that fell back
         name = f"{name}({row['chosen']})"
     return (
-        f"  {row['bytes']:>12} {name:>14} {row['iterations']:>6} {row['p10_s'] * 1e6:>10.1f} "
-        f"{row['p50_s'] * 1e6:>10.1f} {row['p90_s'] * 1e6:>10.1f} "
+        f"  {row['bytes']:>12} {name:>{NAME_WIDTH}} {row['iterations']:>6} "
+        f"{row['p10_s'] * 1e6:>10.1f} {row['p50_s'] * 1e6:>10.1f} {row['p90_s'] * 1e6:>10.1f} "
         f"{row['algbw_GBps']:>12.3f} {row['busbw_GBps']:>12.3f}"
     )
 

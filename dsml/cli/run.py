@@ -210,9 +210,13 @@ async def check_running_group(registry: str, world_size: int, curve: Any = None)
             # now, not only when they give up.
             log.warning(
                 "%s. The ranks wait for it up to their registry timeout (%g s by default); "
-                "or leave --registry out to run one in this launcher",
+                "or %s to run one in this launcher",
                 str(exc).rstrip("."),
                 CommConfig().registry_timeout,
+                # exported, it is --registry's default: leaving the flag out is not enough
+                "unset DSML_REGISTRY and leave --registry out"
+                if os.environ.get("DSML_REGISTRY")
+                else "leave --registry out",
             )
             return
         size = status.get("world_size")

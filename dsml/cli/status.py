@@ -22,7 +22,7 @@ def add_parser(sub: Any) -> None:
         help="show a registry's group and its worker daemons",
         description="Show the group a registry knows; exit code 1 if it does not answer.",
     )
-    parser.add_argument("--registry", required=True, help="registry address")
+    parser.add_argument("--registry", help="registry address")  # or DSML_REGISTRY
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument(
         "--wait", type=float, default=3.0, help="seconds to wait for an answer (default: 3)"
@@ -32,6 +32,12 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if not args.registry:
+        print(
+            "dsml status: no registry: pass --registry tcp://HOST:PORT or set DSML_REGISTRY",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if not args.wait > 0:
             raise ConfigError(f"--wait must be a positive number of seconds, not {args.wait}")

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -196,8 +197,7 @@ class RegistryClient:
             )
             raise RegistryUnavailableError(
                 f"no registry answered at {self.address} within "
-                f"{self.config.registry_timeout:g} s: is it running? Start one with "
-                f"`dsml registry --address {self.address}`, or check DSML_REGISTRY; {keys}",
+                f"{self.config.registry_timeout:g} s: {_who_listens(self.address)}; {keys}",
                 address=self.address,
             ) from None
         finally:
@@ -361,3 +361,26 @@ async def query_status(
         return await client.status()
     finally:
         await client.aclose()
+
+
+def _who_listens(address: str) -> str:
+    """The hint for a registry that did not answer: is anything listening there at all?
+
+    A program that is not a dsml registry on that port (or a registry too busy to answer)
+    accepts the TCP connection but never speaks ZeroMQ's handshake, so the client only
+    waits; telling the user to start a registry there would fail with "address in use".
+    """
+    start = f"Start one with `dsml registry --address {address}`, or check DSML_REGISTRY"
+    if not address.startswith("tcp://"):
+        return f"is it running? {start}"
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            pass
+    except (OSError, ValueError):
+        return f"nothing listens there. {start}"
+    return (
+        "something listens on that port but did not answer as a dsml registry: another "
+        "program on the port, or a registry too busy to answer (check the address, or "
+        "pick another port)"
+    )
