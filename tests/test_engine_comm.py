@@ -397,7 +397,7 @@ async def test_cancelling_a_pushed_all_reduce_cancels_the_collective_and_holds_i
 
 
 async def test_a_pushed_all_reduce_takes_a_torch_tensor_an_earlier_op_put_in_its_tag():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install dsml[torch])")
     async with open_local_cluster(2, config=CommConfig(timeout=30)) as cluster:
 
         async def program(comm):

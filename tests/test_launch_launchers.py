@@ -49,10 +49,16 @@ def free_port(low: int = 0) -> int:
     raise AssertionError("no free port")
 
 
+INSTALLED_BY = {  # what puts each launcher in the venv (the skip reason says it)
+    "torchrun": "it comes with torch: pip install dsml[torch]; .ci/run installs the CPU build",
+    "mpiexec": "pip install '.[test]' installs MPICH's",
+}
+
+
 def tool(name: str) -> str:
     path = BIN / name if (BIN / name).exists() else shutil.which(name)
     if path is None:
-        pytest.skip(f"{name} is not installed (pip install '.[test]' installs it)")
+        pytest.skip(f"{name} is not installed ({INSTALLED_BY.get(name, 'see README.md')})")
     return str(path)
 
 

@@ -168,7 +168,7 @@ async def test_collectives_made_before_the_engine_existed_get_no_negative_time()
 async def test_collectives_are_torch_profiler_spans_when_torch_is_imported():
     """One rank, as in a training process (the profiler nests spans per thread, so the
     interleaved calls of several in-process ranks are not what it is for)."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install dsml[torch])")
     async with open_local_cluster(1) as cluster:
         comm = cluster[0]
         with torch.profiler.profile() as profile:
