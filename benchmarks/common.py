@@ -20,6 +20,16 @@ def dsml(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) 
     ).stdout
 
 
+def dsml_version() -> str:
+    """The version and commit of the dsml a benchmark ran (the commit: where it is a git
+    checkout), to write beside its figures."""
+    version = dsml("--version").split()[-1]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return f"{version} ({commit})" if commit else version
+
+
 def bench_rows(
     world_size: int,
     sizes: str,

@@ -14,11 +14,13 @@ import argparse
 import json
 import os
 import platform
+import sys
+import time
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
-from common import bench_rows
+from common import bench_rows, dsml_version
 
 
 def summarise(runs: list[list[dict[str, Any]]]) -> dict[str, dict[int, dict[str, float]]]:
@@ -79,8 +81,16 @@ def main() -> None:
         f"{args.repeat} runs, load {load:.1f}"
     )
     plot(summary, title, args.out + ".png")
+    made = {
+        "title": title,
+        # what made it, for tests/test_figures.py and for whoever regenerates it
+        "command": " ".join(["python", "benchmarks/plot_bench.py", *sys.argv[1:]]),
+        "dsml": dsml_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "runs": runs,
+    }
     with open(args.out + ".json", "w") as f:
-        json.dump({"title": title, "runs": runs}, f, indent=1)
+        json.dump(made, f, indent=1)
     for algorithm, sizes in summary.items():
         cells = ", ".join(f"{s}: {v['p50_s'] * 1e6:.0f} us" for s, v in sizes.items())
         print(f"{algorithm:>7}: {cells}")
