@@ -30,7 +30,7 @@ from typing import Any
 from common import bench_rows, dsml, tagged_lines
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "mnist_data_parallel.py")
-ALGORITHMS = ("ring", "tree", "naive", "auto")
+ALGORITHMS = ("ring", "tree", "naive", "shm", "auto")  # auto: shm on one host
 GRADIENT_BYTES = 109_386 * 4  # the MLP's float32 gradients, one all_reduce per step
 
 
@@ -90,7 +90,7 @@ def main() -> None:
     for algorithm in ALGORITHMS:
         name = algorithm
         if algorithm == "auto":
-            name = f"auto ({alone['auto']['resolved']})"
+            name = f"auto (picks {alone['auto']['chosen']})"
         print(
             f"| {name} | {statistics.median(in_training[algorithm]):.2f} ms "
             f"| {alone[algorithm]['median_s'] * 1e3:.2f} ms |"
