@@ -31,6 +31,7 @@ __all__ = [
     "bind",
     "configure",
     "configure_from_env",
+    "debugging",
     "parse_level",
     "set_context",
 ]
@@ -130,6 +131,15 @@ def configure_from_env(environ: Mapping[str, str] | None = None) -> None:
         configure(text)
     except ValueError as exc:
         print(f"dsml: DSML_LOG_LEVEL: {exc}", file=sys.stderr)
+
+
+def debugging(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether DSML_LOG_LEVEL asks for debug lines (an invalid value does not)."""
+    env = os.environ if environ is None else environ
+    try:
+        return parse_level(env.get("DSML_LOG_LEVEL") or "warning") <= logging.DEBUG
+    except ValueError:
+        return False
 
 
 class _Bound(logging.LoggerAdapter[logging.Logger]):

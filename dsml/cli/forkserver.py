@@ -16,8 +16,9 @@ rank, which runs the script in its `__main__` as `python SCRIPT` would (`sys.arg
 What a rank can tell apart from `python SCRIPT`: the ranks share one hash seed,
 `sys.orig_argv` shows the server's command, and numpy, pyzmq, msgpack and dsml are the
 ones the server imported (a package of the same name next to the script does not replace
-them). Children reseed numpy's global random state, as `random` reseeds itself, and
-re-read dsml's logging settings from their environment.
+them). Children reseed numpy's global random state, as `random` reseeds itself,
+re-read dsml's logging settings from their environment, and report an uncaught dsml error
+or KeyboardInterrupt in short (`dsml/_report.py`; DSML_TRACEBACK=1 for Python's report).
 
 The server is single-threaded when it forks; it refuses to serve otherwise (numpy's BLAS
 starts threads when OMP_NUM_THREADS asks for more than one), and then `dsml run` starts
@@ -414,10 +415,11 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     os.chdir(request["cwd"])
     if "numpy.random" in sys.modules:  # as `random` does after a fork
         sys.modules["numpy.random"].seed()
+    from .. import _report
     from .. import log as dsml_log
 
     dsml_log.configure_from_env()  # what `import dsml` does with the environment, again
-    sys.excepthook = _excepthook
+    _report.install(trim=_without_server_frames)  # short reports of dsml errors (_report.py)
 
 
 def _run(argv: list[str]) -> None:
@@ -465,14 +467,14 @@ def _run(argv: list[str]) -> None:
     exec(code, main.__dict__)
 
 
-def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-    """The traceback `python SCRIPT` prints: without the server's frames at its top."""
+def _without_server_frames(tb: TracebackType | None) -> TracebackType | None:
+    """A rank's traceback as `python SCRIPT` has it: without the server's frames at its top."""
     import runpy
 
     ours = (__file__, runpy.__file__, "<frozen runpy>", "<string>")
     while tb is not None and tb.tb_frame.f_code.co_filename in ours:
         tb = tb.tb_next
-    sys.__excepthook__(kind, exc.with_traceback(tb), tb)  # it shows exc's own traceback
+    return tb
 
 
 #: The server's command. `python -c` puts the working directory first on sys.path, where
@@ -511,4 +513,4 @@ def main() -> None:
         return
     request, fds = child
     _become(request, fds)
-    _run(request["argv"])  # its exceptions, SystemExit and KeyboardInterrupt are Python's
+    _run(request["argv"])  # SystemExit is Python's; other exceptions go to _report's hook

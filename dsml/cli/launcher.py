@@ -9,10 +9,11 @@ stop with SIGINT, also when the launcher got SIGTERM: Python turns SIGINT into
 KeyboardInterrupt, so `async with dsml.init()` closes and leaves the registry (a SIGTERM
 would end a Python rank on the spot and leave the registry believing it still runs).
 Every line a child prints is passed on with its rank in front. When a rank fails, the
-others are stopped (SIGINT, then SIGKILL after a grace period) and a short root-cause block
-names the rank, how it ended and the last lines of its error output. On Linux the
-ranks also get SIGKILL if the launcher itself dies (forked ones through their server,
-which gets it first).
+others are stopped (SIGINT, then SIGKILL after a grace period) and a short root-cause
+block, printed after every rank's output, names the rank, how it ended and its error (the
+end of its traceback, or of dsml's short report of it), else the last lines it wrote. On
+Linux the ranks also get SIGKILL if the launcher itself dies (forked ones through their
+server, which gets it first).
 
 CPU binding (`cpu_bind`): with more ranks than the CPUs the launcher may use ("auto", the
 default), rank i is bound to one CPU, i modulo their number, so the ranks spread evenly.
@@ -179,16 +180,17 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None] | None:
 
 
 def _error_of(tail: list[str]) -> list[str]:
-    """The exception lines that end a Python traceback in `tail` ([] if it holds none)."""
+    """The exception lines that end a Python traceback in `tail` ([] if it holds none):
+    a full one, dsml's short report (`_report.py`), or the end of one whose header
+    scrolled out of the tail."""
     starts = [i for i, line in enumerate(tail) if line.startswith("Traceback (most recent")]
-    if not starts:
+    frames = [i for i, line in enumerate(tail) if line.startswith('  File "')]
+    if not starts and not frames:
         return []
     # The last frame line, then its source and caret lines (indented 4), then the error:
     # its message may go on over lines of any indentation.
-    end = starts[-1]
-    for i in range(end, len(tail)):
-        if tail[i].startswith('  File "'):
-            end = i
+    end = starts[-1] if starts else frames[0]
+    end = max([end, *(i for i in frames if i >= end)])
     end += 1
     while end < len(tail) and tail[end].startswith("    "):
         end += 1

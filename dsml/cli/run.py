@@ -10,6 +10,10 @@ tcp://HOST:PORT script.py` on each of N hosts. Node 0's launcher serves the regi
 HOST:PORT and the launchers' link at PORT+1 (`nodes.py`); the world size is N*K and rank
 I*K+local. With `--curve-keys DIR` the registry, the link and every rank's sockets use
 CURVE with the keys of DIR.
+
+A rank that fails on a dsml error prints a short report (its script's frames and the
+message, `dsml/_report.py`); `--traceback` gives the ranks DSML_TRACEBACK=1, for Python's
+full traceback. The launcher's root-cause summary comes last, after the ranks' output.
 """
 
 from __future__ import annotations
@@ -81,6 +85,12 @@ def add_parser(sub: Any) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="ranks print Python's full traceback of a dsml error, dsml's own frames "
+        "included, instead of a short report (sets DSML_TRACEBACK=1)",
+    )
+    parser.add_argument(
         "-m",
         dest="module",
         nargs=argparse.REMAINDER,
@@ -123,6 +133,8 @@ def _main(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {"grace_s": args.grace, "device": device, "cpu_bind": args.cpu_bind}
     if args.curve_keys:
         options["curve_keys"] = args.curve_keys
+    if args.traceback:
+        options["traceback"] = True
     if args.nnodes is None:
         if args.node_rank != 0:
             print("dsml run: --node-rank needs --nnodes", file=sys.stderr)
@@ -148,10 +160,12 @@ def _curve(curve_keys: str | None) -> Curve | None:
     return Curve.load(curve_keys, role="server") if curve_keys else None
 
 
-def _rank_env(curve_keys: str | None) -> dict[str, str] | None:
-    if not curve_keys:
-        return None
-    return dict(os.environ) | {"DSML_CURVE_KEYS": curve_keys}
+def _rank_env(curve_keys: str | None, traceback: bool) -> dict[str, str] | None:
+    """What the ranks get besides this environment (None: nothing)."""
+    extra = {"DSML_CURVE_KEYS": curve_keys} if curve_keys else {}
+    if traceback:
+        extra["DSML_TRACEBACK"] = "1"
+    return dict(os.environ) | extra if extra else None
 
 
 async def launch(
@@ -161,6 +175,7 @@ async def launch(
     *,
     grace_s: float = 5.0,
     curve_keys: str | None = None,
+    traceback: bool = False,
     **options: Any,
 ) -> int:
     """Run argv as world_size ranks; an embedded registry when none is given."""
@@ -173,7 +188,12 @@ async def launch(
         else:
             await check_running_group(registry, world_size, curve)
         launch = Launch(
-            argv, world_size, registry, grace_s=grace_s, env=_rank_env(curve_keys), **options
+            argv,
+            world_size,
+            registry,
+            grace_s=grace_s,
+            env=_rank_env(curve_keys, traceback),
+            **options,
         )
         code = await launch.run()
         _print_outcome(launch)
@@ -246,6 +266,7 @@ async def launch_node(
     *,
     grace_s: float = 5.0,
     curve_keys: str | None = None,
+    traceback: bool = False,
     **options: Any,
 ) -> int:
     """One node's part of a multi-node run (see the module docstring)."""
@@ -258,7 +279,7 @@ async def launch_node(
         grace_s=grace_s,
         ranks=shape.ranks,
         node=shape.node_rank,
-        env=_rank_env(curve_keys),
+        env=_rank_env(curve_keys, traceback),
         **options,
     )
     async with contextlib.AsyncExitStack() as stack:

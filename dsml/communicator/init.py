@@ -14,6 +14,7 @@ import secrets
 import socket
 from collections.abc import Mapping
 
+from .. import _report
 from .._opener import Opener
 from ..collectives.devices import DeviceSpec, parse_device, resolve_device
 from ..config import CommConfig, env_float, environ
@@ -193,6 +194,7 @@ def init(
         RegistryUnavailableError: no registry answered at the address.
         JoinTimeoutError: the group did not form within `config.join_timeout`.
     """
+    _report.install(environ())  # short reports of dsml errors, unless the program has a hook
     args = _resolve(address, world_size, rank, name, timeout, config, device, environ())
     return _opener(args)
 
@@ -204,6 +206,7 @@ def init_or_join(
     (`dsml.elastic`: `world_size` only forms a new group). With `init`, a worker whose
     `world_size` the running group already has waits for the next group, so that a second
     job pointed at a busy registry is not merged into the first."""
+    _report.install(environ())
     args = _resolve(address, world_size, None, name, None, config, None, environ())
     return _opener(dataclasses.replace(args, join_running=True))
 
