@@ -417,3 +417,22 @@ async def test_sends_keep_their_frames_within_what_the_peer_accepts():
             await sent
         finally:
             await asyncio.gather(*(c.aclose() for c in comms))
+
+
+async def test_a_recv_cancelled_before_it_starts_leaves_no_unawaited_coroutine():
+    """Cancelled in the same step it was made (a Ctrl-C as the call starts): no
+    "coroutine ... was never awaited" warning when it is collected."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with open_local_cluster(2, config=PATIENT) as cluster:
+            handle = cluster[0].recv(1)
+            handle.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handle
+            del handle
+        gc.collect()
+    unawaited = [w for w in caught if "never awaited" in str(w.message)]
+    assert not unawaited, [str(w.message) for w in unawaited]

@@ -146,6 +146,9 @@ class RunnerCalls:
         if receive:
             self._table.add_receive(call)
         call.task = self._tasks.spawn(self._run_p2p(call, body, what, hint), watched=False)
+        # a task cancelled before its first step never awaits body: close it, or Python
+        # warns "coroutine ... was never awaited" at exit (after a Ctrl-C, say)
+        call.task.add_done_callback(lambda _t: body.close())
         if receive:
             call.task.add_done_callback(lambda _t: self._table.end_receive(call))
         return CollectiveHandle(call.task, call.fingerprint.collective, 0)
