@@ -123,12 +123,15 @@ class ProgressLog:
         self._look_later(watch)
 
     def _look_later(self, watch: _Watch) -> None:
-        """Look again when the call is twice as old as at this look."""
+        """Look again when the call is twice as old as at this look was due (or four
+        times, ..., where the loop ran late: the next look is always in the future)."""
         record = watch.call.record
         assert record is not None
+        age = record.total_s
         watch.next_age *= 2
-        delay = max(0.0, watch.next_age - record.total_s)
-        watch.timer = self._loop.call_later(delay, self._look, watch)
+        while watch.next_age <= age:
+            watch.next_age *= 2
+        watch.timer = self._loop.call_later(watch.next_age - age, self._look, watch)
 
     def _behind_older(self, call: Call) -> bool:
         """Whether an older collective of this table is still in flight."""

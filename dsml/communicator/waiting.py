@@ -72,9 +72,9 @@ class WaitingFor:
         return sorted([*self.behind(), *self.silent()])
 
     def last_seen(self, rank: int) -> str:
-        """Where `rank` was seen: `collective #3 (all_reduce)`, or `collective #0`."""
+        """Where `rank` was seen: `collective #3 all_reduce`, or `collective #0`."""
         kind = self.kinds.get(rank)
-        return f"collective #{self.started[rank]}" + (f" ({kind})" if kind else "")
+        return f"collective #{self.started[rank]}" + (f" {kind}" if kind else "")
 
     def __repr__(self) -> str:
         return f"<WaitingFor #{self.cid} missing={self.missing()} started={self.started}>"
