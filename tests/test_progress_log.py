@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dsml
 from dsml import CommConfig, ConfigError
 from dsml.communicator.diagnose import still_waiting_message
 from dsml.communicator.init import _resolve
@@ -240,3 +241,16 @@ def _lines_until(
     assert seen, "no output"
     assert found(seen[-1]), "".join(seen)
     return seen
+
+
+async def test_a_call_that_times_out_keeps_whom_it_waited_for_in_its_record(progress_lines):
+    config = CommConfig(progress_after=0.2, timeout=1.5, probe_timeout=0.3)
+    async with open_local_cluster(2, config=config) as cluster:
+        with pytest.raises(dsml.CollectiveTimeoutError, match="rank 1 has not arrived"):
+            await cluster[0].barrier()  # rank 1 never calls it
+        record = cluster[0]._runner.stats.recent[-1]
+    assert progress_lines.of(0), "no progress line before the timeout"
+    assert record.outcome == "CollectiveTimeoutError"
+    assert record.waiting_for is not None
+    assert record.waiting_for.missing() == [1]
+    assert record.waiting_for.started == {1: 0}

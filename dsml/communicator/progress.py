@@ -90,8 +90,8 @@ class ProgressLog:
         """Ask the peers not heard from in the call where they are; report when answered."""
         watch.timer = None
         call, record = watch.call, watch.call.record
-        if call.over or record is None:
-            return
+        if call.over or call.failure is not None or record is None:
+            return  # failing: its error (the timeout's probe among them) says why
         if self._behind_older(call):
             self._look_later(watch)
             return
@@ -112,8 +112,9 @@ class ProgressLog:
     def _report(self, watch: _Watch, waiting: WaitingFor) -> None:
         """Log the line of one look (once: the last answer and the wait's end both come)."""
         call, record = watch.call, watch.call.record
-        if watch.waiting is not waiting or call.over or record is None:
+        if watch.waiting is not waiting or call.over or call.failure is not None:
             return
+        assert record is not None
         watch.waiting = None
         if watch.timer is not None:
             watch.timer.cancel()
