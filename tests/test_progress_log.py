@@ -91,6 +91,27 @@ async def test_a_call_waiting_on_a_late_rank_warns_naming_only_that_rank(progres
         assert elapsed >= 0.45
 
 
+async def test_a_ring_names_the_late_rank_not_the_neighbour_it_receives_from(progress_lines):
+    """Over TCP, rank 1 receives from rank 0, which waits for rank 2: both name rank 2."""
+    config = CommConfig(progress_after=0.5, shm=False)
+    async with open_local_cluster(3, config=config) as cluster:
+
+        async def rank_2_late(comm):
+            if comm.rank == 2:
+                await progress_lines.wait_for(lambda: progress_lines.of(0) and progress_lines.of(1))
+            return await comm.all_reduce(np.ones(4096), algorithm="ring")
+
+        results = await cluster.run(rank_2_late)
+    assert all((r == 3).all() for r in results)
+    assert {r.rank for r in progress_lines.records} == {0, 1}
+    for record in progress_lines.records:
+        assert _parsed(record)[1:] == (
+            "all_reduce",
+            1,
+            "rank 2 (last seen at collective #0)",
+        ), record.getMessage()
+
+
 async def test_the_progress_lines_come_at_doubling_intervals(progress_lines):
     first = 0.4
     async with open_local_cluster(2, config=CommConfig(progress_after=first)) as cluster:
@@ -131,10 +152,11 @@ async def test_progress_after_zero_or_none_turns_the_log_off(progress_lines, off
 
 
 def test_the_line_names_a_few_missing_ranks_and_counts_the_rest():
-    waiting = WaitingFor(5, asked=range(1, 9), arrived=[9])
+    waiting = WaitingFor(5, asked=range(1, 10))
     for rank in (1, 2, 4, 5, 7):
         waiting.answer(rank, 4, "all_reduce")
     waiting.answer(3, 5, "all_reduce")  # arrived: not named
+    waiting.answer(9, 6)  # ahead (its next call): arrived
     message = still_waiting_message("all_reduce", 5.04, waiting)
     assert message == (
         "still waiting after 5.0 s in all_reduce (collective #5) for "

@@ -5,7 +5,7 @@ with `keep`: unlike the timeout's probe, the peers keep the call) and, once ever
 asked has answered (or after `answer_s`), logs one warning naming the ranks it still waits
 for and where each was last seen (`diagnose.still_waiting_message`, from the call's
 `WaitingFor`); then again when the call is twice as old, four times, ..., until it ends or
-times out. Peers already heard from in the call have arrived and are not asked.
+times out.
 
 Cost: the first look of every call is kept by one shared `Deadlines` timer; only a call
 that runs that long gets timers of its own, cancelled when it ends. A call made while an
@@ -87,7 +87,7 @@ class ProgressLog:
         self._look(watch)
 
     def _look(self, watch: _Watch) -> None:
-        """Ask the peers not heard from in the call where they are; report when answered."""
+        """Ask every peer where it is; report when all have answered (or the wait ends)."""
         watch.timer = None
         call, record = watch.call, watch.call.record
         if call.over or call.failure is not None or record is None:
@@ -96,9 +96,7 @@ class ProgressLog:
             self._look_later(watch)
             return
         table = self._table
-        heard = record.heard or set()
-        peers = [p for p in range(table.size) if p != table.rank]
-        waiting = WaitingFor(call.cid, [p for p in peers if p not in heard], heard)
+        waiting = WaitingFor(call.cid, [p for p in range(table.size) if p != table.rank])
         record.waiting_for = waiting
         watch.waiting = waiting
         if not waiting.asked:

@@ -4,7 +4,9 @@ A `WaitingFor` is made when a call has run long: by the progress log (progress.p
 asks the peers where they are without giving the call up, and by the timeout, whose probe
 asks the same before the call fails. It holds each peer's answer, its last started
 collective (and that call's kind when the peer said), and sorts the peers into those that
-have arrived, those behind (not yet at this call) and those silent (no answer yet). The
+have arrived, those behind (not yet at this call) and those silent (no answer yet). Every
+peer is asked: a rank knows locally only whom it is receiving from, and a ring's left
+neighbour may itself be waiting for the late rank further on. The
 warning of the progress log and the message of `CollectiveTimeoutError` are both written
 from it (diagnose.py), and the call's `CallRecord` keeps the last one, so the recent calls
 of `comm.stats()` (and a flight recorder reading them) can say whom a call waited for.
@@ -29,11 +31,10 @@ class WaitingFor:
 
     __slots__ = ("answered", "asked_at", "cid", "kinds", "started")
 
-    def __init__(self, cid: int, asked: Iterable[int], arrived: Iterable[int] = ()) -> None:
+    def __init__(self, cid: int, asked: Iterable[int]) -> None:
         self.cid = cid
         self.asked_at = time.perf_counter()
         self.started: dict[int, int | None] = dict.fromkeys(asked)
-        self.started.update(dict.fromkeys(arrived, cid))  # heard from in this call
         self.kinds: dict[int, str] = {}  # rank -> kind of its last started call, if said
         self.answered: asyncio.Future[None] | None = None
 
