@@ -190,7 +190,7 @@ class CallTable:
             fingerprint=call.fingerprint,
             body={"keep": True},
         )
-        self.links.send_control(ask, waiting.asked)
+        self.links.send_control(ask, waiting.silent())
 
     async def probe(self, call: Call) -> dict[int, int | None]:
         """Ask every peer for its last started collective (None: no answer in time)."""

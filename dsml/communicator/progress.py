@@ -99,7 +99,7 @@ class ProgressLog:
         waiting = WaitingFor(call.cid, [p for p in range(table.size) if p != table.rank])
         record.waiting_for = waiting
         watch.waiting = waiting
-        if not waiting.asked:
+        if not waiting.silent():
             self._report(watch, waiting)
             return
         waiting.answered = self._loop.create_future()

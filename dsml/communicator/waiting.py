@@ -6,10 +6,12 @@ asks the same before the call fails. It holds each peer's answer, its last start
 collective (and that call's kind when the peer said), and sorts the peers into those that
 have arrived, those behind (not yet at this call) and those silent (no answer yet). Every
 peer is asked: a rank knows locally only whom it is receiving from, and a ring's left
-neighbour may itself be waiting for the late rank further on. The
-warning of the progress log and the message of `CollectiveTimeoutError` are both written
-from it (diagnose.py), and the call's `CallRecord` keeps the last one, so the recent calls
-of `comm.stats()` (and a flight recorder reading them) can say whom a call waited for.
+neighbour may itself be waiting for the late rank further on.
+
+The warning of the progress log and the message of `CollectiveTimeoutError` are both
+written from it (diagnose.py), and the call's `CallRecord` keeps the last one, so the
+recent calls of `comm.stats()` (and a flight recorder reading them) can say whom a call
+waited for.
 """
 
 from __future__ import annotations
@@ -45,11 +47,6 @@ class WaitingFor:
         waiting.started.update(answers)
         return waiting
 
-    @property
-    def asked(self) -> list[int]:
-        """The peers that have not answered yet."""
-        return [r for r, last in self.started.items() if last is None]
-
     def answer(self, rank: int, started: int, kind: str | None = None) -> None:
         """Rank `rank` said its last started collective is `started` (of kind `kind`)."""
         if rank not in self.started:
@@ -57,7 +54,7 @@ class WaitingFor:
         self.started[rank] = started
         if kind is not None:
             self.kinds[rank] = kind
-        if self.answered is not None and not self.answered.done() and not self.asked:
+        if self.answered is not None and not self.answered.done() and not self.silent():
             self.answered.set_result(None)
 
     def behind(self) -> dict[int, int]:
@@ -65,8 +62,8 @@ class WaitingFor:
         return {r: last for r, last in self.started.items() if last is not None and last < self.cid}
 
     def silent(self) -> list[int]:
-        """The peers that did not answer."""
-        return self.asked
+        """The peers that have not answered (yet)."""
+        return [r for r, last in self.started.items() if last is None]
 
     def missing(self) -> list[int]:
         """Every peer the call may still wait for (behind or silent), in rank order."""
