@@ -41,6 +41,10 @@ class CommConfig:
         join_timeout: how long `init` waits for the group to form.
         registry_timeout: how long to wait for the registry to answer at all.
         probe_timeout: after a timeout, how long to ask the peers where they are.
+        progress_after: a collective still waiting on its peers after this many seconds
+            logs a warning naming the ranks it waits for and where each was last seen,
+            then again after twice as long, four times, ... until it ends or times out.
+            0 or None: no such lines.
         view_timeout: after a member was lost, how long a call waits for the registry's
             new view before failing.
         chunk_bytes: pipeline unit of the large-message algorithms.
@@ -73,6 +77,7 @@ class CommConfig:
     join_timeout: float = 120.0
     registry_timeout: float = 10.0
     probe_timeout: float = 0.5
+    progress_after: float | None = 5.0
     view_timeout: float = 30.0
     chunk_bytes: int = 4 * _MiB
     max_frame_bytes: int = 64 * _MiB
@@ -103,6 +108,16 @@ class CommConfig:
             "view_timeout",
         ):
             _positive(name, getattr(self, name))
+        _require(
+            self.progress_after is None
+            or (
+                isinstance(self.progress_after, int | float)
+                and math.isfinite(self.progress_after)
+                and self.progress_after >= 0
+            ),
+            "progress_after must be a number of seconds >= 0 (0 or None: off), "
+            f"got {self.progress_after!r}",
+        )
         _require(
             isinstance(self.chunk_bytes, int) and self.chunk_bytes >= 4096,
             f"chunk_bytes must be an integer >= 4096, got {self.chunk_bytes!r}",

@@ -61,6 +61,8 @@ class Call:
         #: resolved with the first failure: what every wait of the call watches
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         self.over = False  # set once the call's body has ended: no deadline applies any more
+        #: its entry in `comm.stats()` (set by the runner when the call's task starts)
+        self.record: stats.CallRecord | None = None
         self._rank = table.rank
         self._size = table.size
         self._chunk_bytes = table.config.chunk_bytes

@@ -33,6 +33,7 @@ from ..wire import Envelope, Fields, Fingerprint, Kind
 from .call import Call
 from .diagnose import abort_body, error_from_abort, goodbye_message, mismatch_message
 from .links import Inbound, PeerLinks
+from .waiting import WaitingFor
 
 __all__ = ["PEER_LEFT", "CallTable"]
 
@@ -68,7 +69,9 @@ class CallTable:
         self._aborts: dict[int, Envelope] = {}  # aborts of calls not made here yet
         #: told when a peer said goodbye: (its rank, its last collective, calls failed)
         self.on_peer_left: Callable[[int, int, int], None] = lambda _rank, _last, _failed: None
-        self._probing: set[tuple[int, int]] = set()
+        self._probing: set[tuple[int, int]] = set()  # calls whose timeout asks the peers
+        #: calls that run long and asked the peers where they are (the progress log)
+        self._asking: dict[tuple[int, int], WaitingFor] = {}
         #: the tables of sub-communicators (comm.split): a failure of this table's calls
         #: (a lost member, an eviction) fails theirs too
         self.children: list[CallTable] = []
@@ -144,6 +147,7 @@ class CallTable:
     def finish(self, call: Call) -> None:
         """Forget a call: later messages for it are dropped as late."""
         self.calls.pop((call.epoch, call.cid), None)
+        self._asking.pop((call.epoch, call.cid), None)
         self.finished = (call.epoch, call.cid, call.fingerprint)
         self.counters["late"] += self.mailbox.discard((call.epoch, call.cid))
 
@@ -173,6 +177,20 @@ class CallTable:
         for child in self.children:
             child.fail_all(make_error)
         return failed
+
+    def ask_where(self, call: Call, waiting: WaitingFor) -> None:
+        """Ask the peers `waiting` has no answer from where they are, keeping the call
+        (unlike `probe`); their answers go into `waiting` as they come."""
+        self._asking[(call.epoch, call.cid)] = waiting
+        ask = Envelope(
+            Kind.PROBE,
+            call.epoch,
+            self.rank,
+            call.cid,
+            fingerprint=call.fingerprint,
+            body={"keep": True},
+        )
+        self.links.send_control(ask, waiting.silent())
 
     async def probe(self, call: Call) -> dict[int, int | None]:
         """Ask every peer for its last started collective (None: no answer in time)."""
@@ -288,14 +306,17 @@ class CallTable:
             self.counters["late"] += 1
 
     def handle_probe(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
-        """Answer where this rank is, and give the call up: the prober is about to abort it.
+        """Answer where this rank is; unless the prober keeps waiting (the progress log
+        asks with `keep`), give the call up too: the prober is about to abort it.
 
         Failing here, not only on the prober's abort, means a rank that arrives late cannot
         finish from data its peers had already sent while they report a timeout.
         """
-        body = {"started": self.next_cid - 1}
-        reply = Envelope(Kind.PROGRESS, self.epoch, self.rank, env.cid, body=body)
-        self.links.send_control(reply, [rank])
+        fields = Fields(env.body, "Probe")
+        keep = fields.has("keep") and fields.get_bool("keep")
+        self.links.send_control(self._where_am_i(env.cid), [rank])
+        if keep:
+            return
         message = (
             f"rank {rank} timed out in collective #{env.cid} {GAVE_UP} "
             "(its own error says which ranks it was waiting for)"
@@ -310,12 +331,26 @@ class CallTable:
         )
         self.handle_abort(rank, given_up, [])
 
+    def _where_am_i(self, cid: int) -> Envelope:
+        """A `Progress` answer to a probe of `cid`: this rank's last started collective
+        id, and its kind when that call was made here (not a turn skipped)."""
+        body: dict[str, Any] = {"started": self.next_cid - 1}
+        started = self.started
+        if started is not None and started[:2] == (self.epoch, self.next_cid - 1):
+            body["kind"] = started[2].collective
+        return Envelope(Kind.PROGRESS, self.epoch, self.rank, cid, body=body)
+
     def handle_progress(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
-        Fields(env.body, "Progress").get_int("started")
-        if (env.epoch, env.cid) not in self._probing:
+        fields = Fields(env.body, "Progress")
+        started = fields.get_int("started")
+        kind = fields.get_str("kind", 64, optional=True)
+        key = (env.epoch, env.cid)
+        if key in self._probing:
+            self.mailbox.put(("progress", env.epoch, env.cid), rank, (env, payload))
+        elif key in self._asking:
+            self._asking[key].answer(rank, started, kind)
+        else:
             self.counters["late"] += 1  # the probe already gave up waiting for it
-            return
-        self.mailbox.put(("progress", env.epoch, env.cid), rank, (env, payload))
 
     def handle_goodbye(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         fields = Fields(env.body, "Goodbye")

@@ -3,13 +3,15 @@
 `Deadlines` is what `Runner` (runner.py) arms for a call that has the configured timeout:
 one timer for all such calls instead of one per call. A call with a budget of its own gets
 a timer of its own (runner_calls.py). A deadline that passes fails the call with
-`DeadlinePassed`, which the runner turns into a `CollectiveTimeoutError`.
+`DeadlinePassed`, which the runner turns into a `CollectiveTimeoutError`. The progress log
+(progress.py) keeps the first moment it looks at a call the same way, with its own action.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 from .call import Call, DeadlinePassed
 
@@ -22,16 +24,24 @@ class Deadlines:
     Such calls start in order with the same budget, so their deadlines come in the order
     they were added: a queue, whose head is the next deadline, replaces a timer per call
     (made and cancelled on every call). Calls are dropped from the head once over.
+    `due(call)` is what happens to a call still running at its deadline (by default it
+    fails with `DeadlinePassed`).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        timeout: float,
+        due: Callable[[Call], object] | None = None,
+    ) -> None:
         self.timeout = timeout
+        self._due = due or _deadline_passed
         self._loop = loop
         self._calls: collections.deque[tuple[float, Call]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, call: Call) -> None:
-        """Fail `call` with `DeadlinePassed` once `timeout` has passed, unless it is over."""
+        """Call `due(call)` once `timeout` has passed, unless the call is over by then."""
         when = self._loop.time() + self.timeout
         self._calls.append((when, call))
         if self._timer is None:
@@ -54,7 +64,7 @@ class Deadlines:
                 return
             self._calls.popleft()
             if not call.over:
-                call.fail(DeadlinePassed())
+                self._due(call)
 
     def close(self) -> None:
         if self._timer is not None:
@@ -63,3 +73,7 @@ class Deadlines:
 
     def __repr__(self) -> str:
         return f"<Deadlines {len(self._calls)} calls, {self.timeout:g} s each>"
+
+
+def _deadline_passed(call: Call) -> None:
+    call.fail(DeadlinePassed())

@@ -17,12 +17,14 @@ from ..errors import (
     CollectiveTimeoutError,
 )
 from ..wire import Envelope, Fields, Fingerprint
+from .waiting import WaitingFor
 
 __all__ = [
     "abort_body",
     "error_from_abort",
     "goodbye_message",
     "mismatch_message",
+    "still_waiting_message",
     "timeout_message",
 ]
 
@@ -57,11 +59,10 @@ def goodbye_message(cid: int, fp: Fingerprint, me: int, peer: int, last: int) ->
 
 
 def timeout_message(
-    cid: int, fp: Fingerprint, me: int, seconds: float, progress: dict[int, int | None]
+    fp: Fingerprint, me: int, seconds: float, waiting: WaitingFor
 ) -> tuple[str, list[int]]:
-    """Message and missing ranks, from each peer's last started collective (None: silent)."""
-    silent = [r for r, last in progress.items() if last is None]
-    behind = {r: last for r, last in progress.items() if last is not None and last < cid}
+    """Message and missing ranks of a timeout, from the peers' answers to the probe."""
+    cid, silent, behind = waiting.cid, waiting.silent(), waiting.behind()
     parts = [
         f"rank {r} has not arrived (its last collective is #{last})" for r, last in behind.items()
     ]
@@ -69,7 +70,7 @@ def timeout_message(
         parts.append(f"rank{'s' if len(silent) > 1 else ''} {_join(silent)} did not answer")
     if not parts:
         parts.append("every rank has arrived, but the data did not flow in time")
-    missing = sorted([*behind, *silent])
+    missing = waiting.missing()
     advice = (
         "check that those ranks reach this call (a missing call, an exception, a hang)"
         if missing
@@ -80,6 +81,28 @@ def timeout_message(
         f"{'; '.join(parts)}. {advice[0].upper()}{advice[1:]}."
     )
     return message, missing
+
+
+#: How many late ranks a progress line names before "and N more".
+NAMED_LATE = 4
+
+
+def still_waiting_message(kind: str, elapsed: float, waiting: WaitingFor) -> str:
+    """The progress log's line: `still waiting after 5.0 s in barrier (collective #1) for
+    rank 1 (last seen at collective #0)`; the peers named are the missing ones only."""
+    where = f"still waiting after {elapsed:.1f} s in {kind} (collective #{waiting.cid})"
+    missing = waiting.missing()
+    if not missing:
+        return f"{where}: every rank has arrived; its data is still in flight"
+    named = [
+        f"rank {r} (did not answer)"
+        if waiting.started[r] is None
+        else f"rank {r} (last seen at {waiting.last_seen(r)})"
+        for r in missing[:NAMED_LATE]
+    ]
+    more = len(missing) - len(named)
+    listed = ", ".join(named) + (f" and {more} more" if more else "")
+    return f"{where} for {listed}"
 
 
 def _join(ranks: Sequence[int]) -> str:

@@ -61,6 +61,9 @@ def _resolve(
     timeout = timeout if timeout is not None else env_float(env, "DSML_TIMEOUT")
     if timeout is not None:
         config = dataclasses.replace(config, timeout=timeout)
+    progress_after = env_float(env, "DSML_PROGRESS_AFTER")
+    if progress_after is not None and config.progress_after == CommConfig().progress_after:
+        config = dataclasses.replace(config, progress_after=progress_after)
     keys = env.get("DSML_CURVE_KEYS", "").strip()
     if keys and config.curve is None:
         config = dataclasses.replace(config, curve=Curve.load(keys, role="server"))

@@ -12,7 +12,8 @@ The runner is the only writer of the call table.
 `Runner` holds the communicator's state (closed, broken), hands calls over to its loop,
 and admits, numbers, plans and starts each call (or rejects it) in program order; once
 started, a call runs as a task of `RunnerCalls` (runner_calls.py), whose default deadline
-is kept by `Deadlines` (deadlines.py, re-exported here). Closing drains or cancels them.
+is kept by `Deadlines` (deadlines.py, re-exported here) and which the progress log watches
+when it runs long (progress.py). Closing drains or cancels them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .call_table import CallTable
 from .collective_handle import CollectiveHandle, cancel_on_close
 from .deadlines import Deadlines
 from .plans import Planner, Request
+from .progress import ProgressLog
 from .runner_calls import RunnerCalls
 from .stats import CallStats
 from .tasks import TaskOwner
@@ -70,6 +72,7 @@ class Runner(RunnerCalls):
         self._admission = asyncio.Lock()
         self.stats = CallStats()  # the recent calls and where their time went
         self._deadlines = Deadlines(loop, float(config.timeout))
+        self._progress = ProgressLog(table, loop, config.progress_after, config.probe_timeout)
 
     def budget(self, timeout: float | None) -> float:
         """A call's timeout in seconds (the configured default when None)."""
@@ -238,6 +241,7 @@ class Runner(RunnerCalls):
         the communicator gives them up, as the user's cancel would."""
         self.closed = True
         self._deadlines.close()
+        self._progress.close()
         tasks = [c.task for c in self._table.calls.values() if c.task is not None]
         tasks += [r.task for r in self._table.receives if r.task is not None]
         tasks += list(self._waiting)

@@ -2,7 +2,8 @@
 
 `RunnerCalls` is the part of `Runner` (runner.py) that runs a call once it has its
 collective id and its plan: the task records where the call's time went (`comm.stats()`),
-arms its deadline (the shared one in deadlines.py, or a timer of its own), fails it at
+arms its deadline (the shared one in deadlines.py, or a timer of its own) and the progress
+log's watch (progress.py), fails it at
 once when a failure is already known, turns `DeadlinePassed` into a
 `CollectiveTimeoutError` after asking the peers where they are, and tells the peers when
 this rank failed. When the task ends it leaves the call table; a call the user cancelled is
@@ -25,9 +26,11 @@ from .collective_handle import CollectiveHandle
 from .deadlines import Deadlines
 from .diagnose import timeout_message
 from .plans import Plan
+from .progress import ProgressLog
 from .stats import CallStats, profiler_span
 from .stats import current as current_record
 from .tasks import TaskOwner
+from .waiting import WaitingFor
 
 __all__ = ["RunnerCalls"]
 
@@ -53,11 +56,13 @@ class RunnerCalls:
     _tasks: TaskOwner
     _loop: asyncio.AbstractEventLoop
     _deadlines: Deadlines
+    _progress: ProgressLog
 
     async def _run(self, call: Call, plan: Plan) -> Any:
         """Run the call, recording its time split (`comm.stats()`); one debug line each."""
         fp = call.fingerprint
         record = self.stats.begin(fp.collective, call.cid, call.epoch, fp, plan.nbytes)
+        call.record = record
         token = current_record.set(record)  # in this task's own context: this call only
         span = profiler_span(fp.collective)
         try:
@@ -82,6 +87,7 @@ class RunnerCalls:
             self._deadlines.add(call)  # the usual budget: one timer for all such calls
         else:
             deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
+        self._progress.add(call)  # a warning naming the late peers if it runs long
         try:
             error = call.failure or self._table.check_start(call)
             if error is not None:
@@ -100,9 +106,11 @@ class RunnerCalls:
                 deadline.cancel()
 
     async def _timed_out(self, call: Call) -> CollectiveTimeoutError:
-        progress = await self._table.probe(call)
+        waiting = WaitingFor.from_answers(call.cid, await self._table.probe(call))
+        if call.record is not None:
+            call.record.waiting_for = waiting
         message, missing = timeout_message(
-            call.cid, call.fingerprint, self._table.rank, call.timeout, progress
+            call.fingerprint, self._table.rank, call.timeout, waiting
         )
         call.failure = CollectiveTimeoutError(
             message,
@@ -118,6 +126,7 @@ class RunnerCalls:
     def _finished(self, call: Call, task: asyncio.Task[Any]) -> None:
         self._table.finish(call)
         self._deadlines.forget_over()
+        self._progress.end(call)
         rank = self._table.rank
         if task.cancelled() and call.failure is None:  # the user cancelled
             message = f"rank {rank} cancelled the call"

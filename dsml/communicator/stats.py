@@ -1,8 +1,8 @@
 """Where the time of each collective went: `comm.stats()` and the trace (communicator layer).
 
 Every collective a communicator runs leaves one `CallRecord` in a bounded ring of recent
-calls: what it was (kind, bytes, algorithm), when it ran, how it ended, and how its time
-split:
+calls: what it was (kind, bytes, algorithm), when it ran, how it ended, whom it was found
+waiting for if it ran long (`WaitingFor`, waiting.py), and how its time split:
 
 * `waiting_s`: blocked in a receive for the first message of a peer in this call (the peer
   had not got there yet: a late rank shows up here);
@@ -32,6 +32,7 @@ from ..collectives.arrays import Array, ArrayBackend
 from ..collectives.ops import ReduceOp
 from ..engine.trace import Span
 from ..wire import Fingerprint
+from .waiting import WaitingFor
 
 __all__ = [
     "WAITING",
@@ -80,6 +81,9 @@ class CallRecord:
     copy_s: float = 0.0
     #: peers a message already came from (made on the first receive)
     heard: set[int] | None = None
+    #: whom the call was last found waiting for, and where each was seen: set only when
+    #: it ran long (the progress log's question, the timeout's probe; waiting.py)
+    waiting_for: WaitingFor | None = None
     #: per category (WAITING, WIRE): waits open now and since when. The tasks of one call
     #: may wait at once (a rooted collective confirms beside its data): overlapping waits
     #: of a category count once. Plain fields, so that a call's record costs little.
