@@ -287,3 +287,50 @@ def test_launcher_variables_with_master_addr_v6_form_one_group_over_v6() -> None
                 proc.kill()
                 proc.wait()
     _assert_group_over_v6("".join(outputs), 4)
+
+
+def _free_v6_port_pair() -> int:
+    """A port p with p and p+1 free on ::1 (the registry and the launchers' link)."""
+    for _ in range(50):
+        port = _free_v6_port()
+        with socket.socket(socket.AF_INET6) as s:
+            try:
+                s.bind(("::1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port pair on ::1")
+
+
+@needs_v6
+@pytest.mark.multiprocess
+def test_dsml_run_nnodes_2_over_v6_loopback_with_curve_forms_one_group(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    env = clean_env()
+    dsml = [sys.executable, "-m", "dsml"]
+    subprocess.run([*dsml, "keys", "generate", str(keys)], env=env, check=True, capture_output=True)
+    address = f"tcp://[::1]:{_free_v6_port_pair()}"
+    secure = ["--curve-keys", str(keys), "--registry", address]
+    nodes = [
+        subprocess.Popen(
+            [*dsml, "run", "-n", "2", "--nnodes", "2", "--node-rank", str(node), *secure, SCRIPT],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=50)
+            assert node.returncode == 0, out + err
+            outputs.append(out)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    _assert_group_over_v6("".join(outputs), 4)
