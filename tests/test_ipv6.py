@@ -334,3 +334,38 @@ def test_dsml_run_nnodes_2_over_v6_loopback_with_curve_forms_one_group(tmp_path:
                 node.kill()
                 node.wait()
     _assert_group_over_v6("".join(outputs), 4)
+
+
+@needs_v6
+@pytest.mark.multiprocess
+def test_torch_process_group_under_master_addr_v6_runs_every_call() -> None:
+    pytest.importorskip("torch")
+    port = _free_v6_port()
+    script = str(ROOT / "tests" / "scripts" / "torch_collectives.py")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, script],
+            env=clean_env(
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="::1",  # torch's store and rank 0's registry both on [::1]
+                MASTER_PORT=str(port),
+            ),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        for proc in ranks:
+            out, err = proc.communicate(timeout=80)
+            assert proc.returncode == 0, out + err
+            assert out.split()[-1:] == ["ok"], out + err
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
