@@ -20,7 +20,7 @@ from dsml.communicator.communicator import host_keys
 from dsml.errors import ConfigError
 from dsml.launch import Hosting, choose_bind, resolve_rendezvous
 from dsml.membership import Member, View
-from dsml.transport import check_address, is_loopback
+from dsml.transport import addresses, check_address, is_loopback
 from dsml.transport.addresses import (
     advertised,
     format_tcp,
@@ -160,6 +160,33 @@ def test_dsml_ifname_picks_the_interfaces_v6_address_for_a_v6_registry() -> None
     assert interface_address("lo") == "127.0.0.1"
     assert choose_bind(None, "lo", "tcp://[::1]:5555") == "tcp://[::1]:0"
     assert choose_bind(None, "lo", "tcp://127.0.0.1:5555") == "tcp://127.0.0.1:0"
+
+
+@pytest.mark.parametrize(
+    ("lines", "want"),
+    [
+        (
+            [
+                "fe800000000000000000000000000001 01 40 20 80 lo",
+                "fd000217004400000000000000000003 01 40 00 80 lo",
+            ],
+            "fd00:217:44::3",
+        ),
+        (["fe800000000000000000000000000001 01 40 20 80 lo"], "fe80::1%lo"),
+        (["fd000217004400000000000000000003 02 40 00 80 eth9"], None),
+    ],
+)
+def test_dsml_ifname_skips_link_local_v6_unless_it_is_the_only_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str], want: str | None
+) -> None:
+    table = tmp_path / "if_inet6"
+    table.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(addresses, "_IF_INET6", str(table))
+    if want is None:
+        with pytest.raises(ConfigError, match="'lo' has no usable IPv6 address"):
+            interface_address("lo", socket.AF_INET6)
+    else:
+        assert interface_address("lo", socket.AF_INET6) == want
 
 
 def test_master_addr_v6_gives_a_bracketed_registry_address() -> None:

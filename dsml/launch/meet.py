@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from typing import Any
 
 from ..config import RegistryConfig
@@ -95,7 +96,7 @@ def _local_ip(toward: str, ifname: str | None) -> str:
         return interface_address(ifname)
     ip = resolve_host(toward, "the registry's host")
     if is_loopback_host(ip):
-        return ip
+        return "::1" if family_of(ip) == socket.AF_INET6 else "127.0.0.1"
     local = route_to(ip)
     if local is None:
         raise ConfigError(f"this host has no route to {bracketed(ip)}: set DSML_IFNAME")
@@ -113,7 +114,7 @@ def choose_bind(explicit: str | None, ifname: str | None, registry: str) -> str:
     if explicit:
         return explicit
     if not registry.startswith("tcp://"):
-        return f"tcp://{interface_address(ifname)}:0" if ifname else loopback_bind()
+        return format_tcp(interface_address(ifname), 0) if ifname else loopback_bind()
     host = split_tcp(registry, "the registry address")[0]
     if ifname:
         return format_tcp(_local_ip(host, ifname), 0)
