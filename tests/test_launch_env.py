@@ -271,7 +271,7 @@ def test_a_registry_on_another_address_binds_the_interface_that_routes_to_it() -
     addresses = []
     for name in own:
         try:
-            addresses.append(interface_address(name))
+            addresses.append(interface_address(name, socket.AF_INET))
         except ConfigError:
             continue
     if not addresses:

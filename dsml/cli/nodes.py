@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import ConfigError, DsmlError, ProtocolError
 from ..transport import Channel, Endpoint
+from ..transport.addresses import format_tcp, split_tcp
 from ..transport.curve import is_loopback
 from ..wire import Envelope, Fields, Kind
 from .launcher import Failure
@@ -101,13 +102,17 @@ class NodeShape:
 
 def link_address(registry: str) -> str:
     """The launchers' link: the registry's host at the registry's port + 1."""
-    host, _, port = registry[len("tcp://") :].rpartition(":")
-    if not registry.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65535:
+    try:
+        host, port = split_tcp(registry, "--registry")
+    except ConfigError:
+        host, port = "", ""
+    if not port.isdigit() or not 0 < int(port) < 65535:
         raise ConfigError(
-            f"--nnodes needs --registry tcp://HOST:PORT with a fixed port (node 0 serves the "
-            f"registry there and the launchers' link at PORT+1), got {registry!r}"
+            f"--nnodes needs --registry tcp://HOST:PORT (IPv6: tcp://[ADDR]:PORT) with a "
+            f"fixed port (node 0 serves the registry there and the launchers' link at "
+            f"PORT+1), got {registry!r}"
         )
-    return f"tcp://{host}:{int(port) + 1}"
+    return format_tcp(host, int(port) + 1)
 
 
 def _failure_body(failure: Failure) -> dict[str, Any]:

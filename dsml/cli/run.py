@@ -31,7 +31,7 @@ from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, DsmlError
 from ..membership import Registry, open_registry, query_status
 from ..transport import Curve, check_address
-from ..transport.addresses import is_local_address, resolve_host
+from ..transport.addresses import bracketed, format_tcp, is_local_address, resolve_host, split_tcp
 from .keys import add_curve_keys_option
 from .launcher import CPU_BIND, Launch
 from .nodes import NodeBoard, NodeLink, NodeShape, link_address
@@ -319,14 +319,15 @@ def _group_gone(registry: Registry) -> bool:
 
 def node_zero_bind(address: str) -> str:
     """Node 0 binds the address it was told it serves: HOST must be this machine."""
-    host, _, port = address[len("tcp://") :].rpartition(":")
+    host, port = split_tcp(address, "--registry")
     ip = resolve_host(host, "--registry")
     if not is_local_address(ip):
         raise ConfigError(
-            f"node 0 serves the registry at --registry {address}, but {host} "
-            f"({ip}) is not an address of this host: run --node-rank 0 on {host}"
+            f"node 0 serves the registry at --registry {address}, but {bracketed(host)} "
+            f"({bracketed(ip)}) is not an address of this host: run --node-rank 0 on "
+            f"{bracketed(host)}"
         )
-    return f"tcp://{ip}:{port}"
+    return format_tcp(ip, port)
 
 
 @contextlib.asynccontextmanager

@@ -13,6 +13,7 @@ from ..daemon import WorkerConfig, WorkerDaemon
 from ..errors import ConfigError, DsmlError, RegistryUnavailableError
 from ..membership import query_status
 from ..transport import Curve
+from ..transport.addresses import loopback_bind
 from .keys import add_curve_keys_option
 
 __all__ = ["add_parser"]
@@ -38,9 +39,10 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--name", default="", help="name shown by dsml status (default host-pid)")
     parser.add_argument(
         "--bind",
-        default="tcp://127.0.0.1:0",
-        help="address to serve jobs on (default: %(default)s); its host also carries the "
-        "jobs' peer links. A non-loopback address requires --curve-keys",
+        default=None,
+        help="address to serve jobs on (default: tcp://127.0.0.1:0, or tcp://[::1]:0 for an "
+        "IPv6 registry); its host also carries the jobs' peer links. A non-loopback "
+        "address requires --curve-keys",
     )
     add_curve_keys_option(
         parser,
@@ -76,7 +78,7 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         registry=args.registry,
         name=args.name,
         device=args.device,
-        bind=args.bind,
+        bind=args.bind or loopback_bind(args.registry),
         curve=curve,
         heartbeat_interval=args.heartbeat_interval,
     )

@@ -23,6 +23,7 @@ from ..collectives.cost_auto import AutoChooser
 from ..config import CommConfig
 from ..errors import CollectiveAbortedError
 from ..membership import RegistryClient, View
+from ..transport.addresses import host_of
 from ..wire import Fingerprint
 from .call_table import CallTable
 from .comm_groups import CommunicatorGroups
@@ -234,4 +235,4 @@ def host_keys(view: View | None) -> list[str]:
     """Per rank, where it runs: host name and IP (equal keys share a machine's network)."""
     if view is None:
         return []
-    return [f"{m.host}/{m.address.split('://', 1)[-1].rsplit(':', 1)[0]}" for m in view.members]
+    return [f"{m.host}/{host_of(m.address)}" for m in view.members]

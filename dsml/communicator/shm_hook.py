@@ -26,6 +26,7 @@ from ..collectives.shm_plane import HostMember, SameHost, ShmCall
 from ..config import CommConfig
 from ..errors import CollectiveAbortedError, CollectiveMismatchError, ProtocolError
 from ..membership import Member, View
+from ..transport.addresses import host_of
 from ..transport.shm_segment import ShmFullError
 from ..wire import Fingerprint
 from . import stats
@@ -238,8 +239,7 @@ def _where(member: Member) -> str:
     """Host name and advertised IP: ranks of one machine that advertise different
     addresses count as different hosts (as the cost model and the multi-host test
     harness see them), so they talk over TCP (or `hierarchical`) rather than share memory."""
-    ip = member.address.split("://", 1)[-1].rsplit(":", 1)[0]
-    return f"{member.host}/{ip}"
+    return f"{member.host}/{host_of(member.address)}"
 
 
 def _count_wait(phase: int, seconds: float) -> None:

@@ -34,7 +34,7 @@ from ..errors import ConfigError, ProtocolError
 from ..membership import open_registry
 from ..membership.registry import Registry
 from ..transport import Beacon, Channel, Endpoint, check_address, is_loopback
-from ..transport.addresses import advertised
+from ..transport.addresses import advertised, format_tcp, host_of
 from ..wire import Envelope, Fields, Kind
 from ..wire.values import pack_value
 from .protocol import (
@@ -310,7 +310,7 @@ class WorkerDaemon:
                 if job.spec.rank == 0:
                     registry = await open_registry(
                         config=RegistryConfig(
-                            address=f"tcp://{self._host}:0", curve=self.config.curve
+                            address=format_tcp(self._host, 0), curve=self.config.curve
                         )
                     )
                     group = advertised(registry.address, toward=self.config.registry)
@@ -354,7 +354,7 @@ class WorkerDaemon:
     async def _call(self, job: _Job, group: str, fn: Any, args: tuple[Any, ...]) -> Any:
         comm_config = dataclasses.replace(
             apply_job_config(self.config.comm, job.spec.config),
-            bind=f"tcp://{self._host}:0",
+            bind=format_tcp(self._host, 0),
             curve=self.config.curve,
         )
         comm = await init(
@@ -389,5 +389,5 @@ class WorkerDaemon:
 
 def _host_of(bind: str) -> str:
     if bind.startswith("tcp://"):
-        return bind[len("tcp://") :].rpartition(":")[0]
+        return host_of(bind)
     return "127.0.0.1"  # an ipc:// daemon runs its jobs over loopback

@@ -87,6 +87,8 @@ def slurm_port(job_id: int, step_id: int = 0) -> int:
 
 def _master(env: Mapping[str, str]) -> tuple[str, int] | None:
     host = env.get("MASTER_ADDR", "").strip()
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address written bracketed
+        host = host[1:-1]
     port = env_int(env, "MASTER_PORT")
     if not host or port is None:
         return None

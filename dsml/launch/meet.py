@@ -7,17 +7,24 @@ this does it, with sockets and threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from typing import Any
 
 from ..config import RegistryConfig
 from ..errors import ConfigError
 from ..transport.addresses import (
+    bracketed,
+    family_of,
+    format_tcp,
     interface_address,
     is_local_address,
     is_loopback_host,
+    loopback_bind,
     resolve_host,
     route_to,
+    split_tcp,
 )
 from .hosted import HostedRegistry
 from .plan import Hosting, Rendezvous
@@ -26,8 +33,6 @@ from .store import lookup_registry, publish_registry
 __all__ = ["choose_bind", "find_registry"]
 
 log = logging.getLogger("dsml.launch")
-
-LOOPBACK_BIND = "tcp://127.0.0.1:0"
 
 
 async def find_registry(
@@ -52,7 +57,7 @@ async def find_registry(
     if plan.hosting is Hosting.PUBLISH:
         assert plan.store is not None
         host = _local_ip(plan.store[0], ifname)
-        hosted = await _serve(f"tcp://{host}:0", curve, plan)
+        hosted = await _serve(format_tcp(host, 0), curve, plan)
         try:
             await publish_registry(plan.store, plan.store_key, hosted.address, timeout_s)
         except BaseException:
@@ -60,13 +65,13 @@ async def find_registry(
             raise
         return hosted.address, hosted
     assert plan.registry is not None
-    name, _, port = plan.registry[len("tcp://") :].rpartition(":")
+    name, port = split_tcp(plan.registry, "the registry address")
     ip = resolve_host(name, f"the rendezvous host named by {plan.launcher}")
-    bind_ip = ip if is_local_address(ip) else "0.0.0.0"
+    bind_ip = ip if is_local_address(ip) else "*"  # "*": both families
     if bind_ip != ip:  # e.g. a Kubernetes service address that routes to this pod
         log.warning("%s is not an address of this host: serving the registry on all", ip)
-    hosted = await _serve(f"tcp://{bind_ip}:{port}", curve, plan)
-    return f"tcp://{ip}:{port}", hosted
+    hosted = await _serve(format_tcp(bind_ip, port), curve, plan)
+    return format_tcp(ip, port), hosted
 
 
 async def _serve(address: str, curve: Any, plan: Rendezvous) -> HostedRegistry:
@@ -83,14 +88,18 @@ async def _serve(address: str, curve: Any, plan: Rendezvous) -> HostedRegistry:
 
 
 def _local_ip(toward: str, ifname: str | None) -> str:
-    """The address of this host that others reach: DSML_IFNAME's, or the route to toward."""
+    """The address of this host that others reach: DSML_IFNAME's (of toward's family),
+    or the route to toward."""
     if ifname:
+        with contextlib.suppress(ConfigError):
+            return interface_address(ifname, family_of(resolve_host(toward, "")))
         return interface_address(ifname)
-    if is_loopback_host(toward):
-        return "127.0.0.1"
-    local = route_to(resolve_host(toward, "the registry's host"))
+    ip = resolve_host(toward, "the registry's host")
+    if is_loopback_host(ip):
+        return "::1" if family_of(ip) == socket.AF_INET6 else "127.0.0.1"
+    local = route_to(ip)
     if local is None:
-        raise ConfigError(f"this host has no route to {toward}: set DSML_IFNAME")
+        raise ConfigError(f"this host has no route to {bracketed(ip)}: set DSML_IFNAME")
     return local
 
 
@@ -99,14 +108,16 @@ def choose_bind(explicit: str | None, ifname: str | None, registry: str) -> str:
 
     An explicit bind (CommConfig.bind, DSML_BIND) wins; then DSML_IFNAME's interface;
     then, for a registry on another host, the interface that routes to it; else loopback.
+    Each follows the registry's family: an IPv6 registry gets an IPv6 address (::1 for
+    loopback, the interface's IPv6 address for DSML_IFNAME).
     """
     if explicit:
         return explicit
-    if ifname:
-        return f"tcp://{interface_address(ifname)}:0"
     if not registry.startswith("tcp://"):
-        return LOOPBACK_BIND
-    host = registry[len("tcp://") :].rpartition(":")[0]
+        return format_tcp(interface_address(ifname), 0) if ifname else loopback_bind()
+    host = split_tcp(registry, "the registry address")[0]
+    if ifname:
+        return format_tcp(_local_ip(host, ifname), 0)
     if is_loopback_host(host):
-        return LOOPBACK_BIND
-    return f"tcp://{_local_ip(host, None)}:0"
+        return loopback_bind(registry)
+    return format_tcp(_local_ip(host, None), 0)

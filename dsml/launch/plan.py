@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ..config import env_int
 from ..errors import ConfigError
 from ..transport import check_address
+from ..transport.addresses import format_tcp, split_tcp
 from .env import LauncherEnv, detect_launcher
 
 log = logging.getLogger("dsml.launch")
@@ -68,7 +69,7 @@ class Rendezvous:
         if self.store is not None:
             return self.store[0]
         if self.registry is not None and self.registry.startswith("tcp://"):
-            return self.registry[len("tcp://") :].rpartition(":")[0]
+            return split_tcp(self.registry, "the registry address")[0]
         return None
 
 
@@ -177,14 +178,10 @@ def _launcher_rendezvous(
             "block distribution, or set MASTER_ADDR to rank 0's host"
         )
     hosting = Hosting.SERVE if launcher.rank == 0 else Hosting.NONE
-    registry = f"tcp://{_bracketed(host)}:{port}"
+    registry = format_tcp(host, port)
     return Rendezvous(
         registry, size, rank, local_rank, hosting, launcher=launcher.launcher, rank0_serves=True
     )
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _first(*values: int | None) -> int | None:

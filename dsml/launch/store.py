@@ -13,6 +13,7 @@ import datetime
 from typing import Any
 
 from ..errors import ConfigError, RegistryUnavailableError
+from ..transport.addresses import bracketed
 
 __all__ = ["lookup_registry", "publish_registry"]
 
@@ -36,7 +37,7 @@ def _client(store: tuple[str, int], timeout_s: float) -> Any:
         )
     except (RuntimeError, OSError) as exc:  # torch reports connection failures so
         raise RegistryUnavailableError(
-            f"torchrun's agent store at {host}:{port} did not answer: {exc}"
+            f"torchrun's agent store at {bracketed(host)}:{port} did not answer: {exc}"
         ) from None
 
 

@@ -3,7 +3,9 @@
 `netns_hosts(4)` builds, for one test or benchmark run:
 
 - one namespace per host, with loopback and an `eth0` that holds the host's address
-  (`10.217.44.1`, `.2`, ... in a private /24 that exists only inside these namespaces),
+  (`10.217.44.1`, `.2`, ... in a private /24 that exists only inside these namespaces;
+  with `family=6`, only `fd00:217:44::1`, `::2`, ... in a /64 of unique-local addresses,
+  added `nodad` so they are usable at once, and no IPv4 address on `eth0`),
   and its own host name (`h0`, `h1`, ...) that every command started there sees, with an
   `/etc/hosts` naming all the hosts;
 - a bridge in a namespace of its own, so the machine's own networking is never touched;
@@ -52,6 +54,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..transport.addresses import format_tcp
 from .netns_commands import (
     _NETNS_DIR,
     _PREFIX,
@@ -71,6 +74,7 @@ __all__ = ["Host", "NetnsError", "NetnsHosts", "leftover_namespaces", "netns_hos
 __all__ += ["measure_rate", "tbf_args", "unavailable_reason"]
 
 SUBNET = "10.217.44"  # a private /24, configured only inside the namespaces made here
+SUBNET6 = "fd00:217:44::"  # a unique-local /64, likewise (family=6)
 _counter = itertools.count()
 
 
@@ -81,11 +85,16 @@ class Host:
     index: int
     name: str  # the host name commands see (`hostname`), also in every host's /etc/hosts
     netns: str  # the namespace's name for `ip netns` / `/run/netns/<netns>`
-    address: str  # its IPv4 address on the shared bridge
+    address: str  # its address on the shared bridge (IPv4, or IPv6 with family=6)
     port: str  # its veth end in the bridge's namespace
     bridge_netns: str
     hosts_file: str
     _procs: list[subprocess.Popen[Any]] = dataclasses.field(repr=False, compare=False)
+    family: int = 4  # 4 or 6: which kind of address `address` is
+
+    def tcp(self, port: int | str) -> str:
+        """The tcp:// address of `port` on this host (`tcp://[fd00:217:44::1]:5555` for v6)."""
+        return format_tcp(self.address, port)
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """`argv` wrapped to run on this host (its network, host name and /etc/hosts)."""
@@ -143,7 +152,16 @@ def _port_qdisc(host: Host, rate: str) -> list[str]:
 class NetnsHosts(Sequence[Host]):
     """Namespaced hosts on one bridge; index it for a `Host`; `close()` removes it all."""
 
-    def __init__(self, n_hosts: int, *, rate: str | None = "1gbit", names: Sequence[str] = ()):
+    def __init__(
+        self,
+        n_hosts: int,
+        *,
+        rate: str | None = "1gbit",
+        names: Sequence[str] = (),
+        family: int = 4,
+    ):
+        if family not in (4, 6):
+            raise ValueError(f"family must be 4 or 6, got {family}")
         if not 1 <= n_hosts <= 250:
             raise ValueError(f"n_hosts must be in 1..250, got {n_hosts}")
         if names and len(names) != n_hosts:
@@ -151,6 +169,7 @@ class NetnsHosts(Sequence[Host]):
         if rate is not None:
             _rate_bits(rate)  # a bad rate fails before anything is built
         self.rate = rate
+        self.family = family
         tag = f"{_PREFIX}{os.getpid()}x{next(_counter)}"
         self.bridge_netns = f"{tag}br"
         host_names = list(names) or [f"h{i}" for i in range(n_hosts)]
@@ -163,11 +182,12 @@ class NetnsHosts(Sequence[Host]):
                 i,
                 host_names[i],
                 f"{tag}h{i}",
-                f"{SUBNET}.{i + 1}",
+                f"{SUBNET6}{i + 1}" if family == 6 else f"{SUBNET}.{i + 1}",
                 f"p{i}",
                 self.bridge_netns,
                 hosts_file,
                 procs,
+                family,
             )
             for i in range(n_hosts)
         ]
@@ -176,7 +196,10 @@ class NetnsHosts(Sequence[Host]):
 
     def __repr__(self) -> str:
         names = ", ".join(f"{h.name}={h.address}" for h in self._hosts)
-        return f"NetnsHosts({names}, rate={self.rate}, bridge={self.bridge_netns})"
+        return (
+            f"NetnsHosts({names}, rate={self.rate}, family={self.family}, "
+            f"bridge={self.bridge_netns})"
+        )
 
     def __len__(self) -> int:
         return len(self._hosts)
@@ -194,7 +217,7 @@ class NetnsHosts(Sequence[Host]):
 
     @property
     def addresses(self) -> list[str]:
-        """Every host's IPv4 address, in host order."""
+        """Every host's address (IPv4, or IPv6 with family=6), in host order."""
         return [h.address for h in self._hosts]
 
     def open(self) -> NetnsHosts:
@@ -213,7 +236,8 @@ class NetnsHosts(Sequence[Host]):
         return self
 
     def _write_hosts_file(self) -> None:
-        lines = ["127.0.0.1 localhost"] + [f"{h.address} {h.name}" for h in self._hosts]
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        lines += [f"{h.address} {h.name}" for h in self._hosts]
         Path(self._hosts[0].hosts_file).write_text("\n".join(lines) + "\n")
         os.chmod(self._dir, 0o755)  # daemons that drop root (munge) read it too
 
@@ -229,7 +253,10 @@ class NetnsHosts(Sequence[Host]):
             "ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", host.port, "netns", br
         )
         _sh("ip", "-n", br, "link", "set", host.port, "master", "br0", "up")
-        _sh("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        if host.family == 6:  # nodad: usable at once, not "tentative" for a second or two
+            _sh("ip", "-n", ns, "-6", "addr", "add", f"{host.address}/64", "dev", "eth0", "nodad")
+        else:
+            _sh("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         _sh("ip", "-n", ns, "link", "set", "eth0", "up")
         if self.rate is not None:
@@ -274,10 +301,11 @@ class NetnsHosts(Sequence[Host]):
 
 @contextlib.contextmanager
 def netns_hosts(
-    n_hosts: int = 4, *, rate: str | None = "1gbit", names: Sequence[str] = ()
+    n_hosts: int = 4, *, rate: str | None = "1gbit", names: Sequence[str] = (), family: int = 4
 ) -> Iterator[NetnsHosts]:
-    """`n_hosts` namespaced hosts on one bridge, links shaped to `rate` (None: unshaped)."""
-    hosts = NetnsHosts(n_hosts, rate=rate, names=names)
+    """`n_hosts` namespaced hosts on one bridge, links shaped to `rate` (None: unshaped),
+    addressed by IPv4 or (`family=6`) by IPv6 only."""
+    hosts = NetnsHosts(n_hosts, rate=rate, names=names, family=family)
     with hosts:
         yield hosts
 

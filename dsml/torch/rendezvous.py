@@ -10,15 +10,14 @@ gets a `ProcessGroupDsml` (process_group.py).
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ..blocking import LoopThread
 from ..blocking import init as blocking_init
-from ..errors import ConfigError
 from ..membership import Registry, open_registry
+from ..transport.addresses import format_tcp, resolve_host
 from .process_group import ProcessGroupDsml
 
 __all__ = ["HostedRegistry", "create_backend"]
@@ -34,7 +33,7 @@ class HostedRegistry:
         self._loop = LoopThread("dsml-registry")
         try:
             self.registry: Registry = self._loop.run(
-                open_registry(f"tcp://{host}:0"), "open_registry"
+                open_registry(format_tcp(host, 0)), "open_registry"
             )
         except BaseException:
             self._loop.stop()
@@ -103,7 +102,4 @@ def _registry_host() -> str:
     name = os.environ.get("MASTER_ADDR", "").strip()
     if not name:
         return "127.0.0.1"
-    try:
-        return socket.gethostbyname(name)
-    except OSError as exc:
-        raise ConfigError(f"MASTER_ADDR={name!r} does not resolve: {exc}") from exc
+    return resolve_host(name, "MASTER_ADDR")

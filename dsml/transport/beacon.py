@@ -17,7 +17,7 @@ from collections.abc import Callable
 import zmq
 
 from ..wire import Envelope, encode
-from .context import check_address, new_socket
+from .context import check_address, new_socket, use_family
 from .curve import Curve, make_curve_client
 
 __all__ = ["Beacon"]
@@ -51,6 +51,7 @@ class Beacon:
         )
         if curve is not None:
             make_curve_client(self._sock, curve)
+        use_family(self._sock, address)
         self._sock.connect(address)
         self._thread = threading.Thread(target=self._run, name="dsml-heartbeat", daemon=True)
         self._thread.start()

@@ -16,8 +16,9 @@ from typing import Any
 import zmq
 
 from ..errors import ConfigError
+from .addresses import split_tcp, wants_ipv6
 
-__all__ = ["check_address", "live_sockets", "new_socket"]
+__all__ = ["check_address", "live_sockets", "new_socket", "use_family"]
 
 _lock = threading.Lock()
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -42,6 +43,12 @@ def new_socket(socket_type: int, **options: Any) -> zmq.Socket[bytes]:
     return sock
 
 
+def use_family(sock: zmq.Socket[bytes], address: str) -> None:
+    """Before bind or connect: let the socket take IPv6 where address needs it."""
+    if wants_ipv6(address):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 def live_sockets() -> int:
     """How many dsml sockets of this process are open (a test fixture checks it is 0)."""
     return sum(1 for sock in list(_live) if not sock.closed)
@@ -54,11 +61,5 @@ def check_address(address: object, what: str) -> str:
             f"{what} {address!r} is not an address: use tcp://host:port or ipc://path"
         )
     if address.startswith("tcp://"):
-        host, sep, port = address[len("tcp://") :].rpartition(":")
-        if not sep or not host or not (port.isdigit() or port == "*"):
-            raise ConfigError(
-                f"{what} {address!r} needs a host and a port, e.g. tcp://127.0.0.1:5555"
-            )
-        if port.isdigit() and int(port) > 65535:  # ZeroMQ would take it modulo 65536
-            raise ConfigError(f"{what} {address!r}: a port is 0-65535")
+        split_tcp(address, what)
     return address

@@ -33,6 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from ..errors import ConfigError
+from .addresses import split_tcp
 from .context import _shared_context
 
 __all__ = ["Curve", "generate_keys", "is_loopback", "make_curve_client", "make_curve_server"]
@@ -281,15 +282,20 @@ def make_curve_client(sock: zmq.Socket[bytes], curve: Curve) -> None:
 
 
 def is_loopback(address: str) -> bool:
-    """Whether `address` reaches only this host: ipc://, or tcp:// to a loopback host."""
+    """Whether `address` reaches only this host: ipc://, or tcp:// to a loopback host
+    (127.0.0.0/8, ::1, ::ffff:127.x.y.z, `localhost`), bracketed IPv6 included."""
     if address.startswith("ipc://"):
         return True
-    if not address.startswith("tcp://"):
+    try:
+        host = split_tcp(address)[0]
+    except ConfigError:
         return False
-    host = address[len("tcp://") :].rpartition(":")[0]
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False  # `*`, an interface name or a DNS name: not provably local
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback

@@ -37,7 +37,7 @@ import zmq
 
 from ..errors import ConfigError, DsmlError
 from ..wire import MAX_ENVELOPE_BYTES, Envelope
-from .context import check_address, new_socket
+from .context import check_address, new_socket, use_family
 from .curve import Curve, make_curve_client, make_curve_server
 from .socket_reader import _EVENTS, _FD, _NOBLOCK, _POLLIN, Handler, _Reader
 from .socket_send import _frame_of as _frame_of  # tests/test_transport_forward.py
@@ -97,6 +97,7 @@ class Endpoint:
             ROUTER_MANDATORY=1,
         )
         try:
+            use_family(sock, address)
             if curve is not None:
                 make_curve_server(sock, curve)
             sock.bind(address[:-2] + ":*" if address.endswith(":0") else address)
@@ -269,6 +270,7 @@ class Channel:
         sock.copy_threshold = copy_threshold
         watch = None
         try:
+            use_family(sock, address)
             if curve is not None:
                 make_curve_client(sock, curve)
             if on_disconnect or on_refused or on_unreachable or curve is not None:

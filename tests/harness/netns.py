@@ -39,12 +39,14 @@ _MISSING_CAPABILITY = (
 )
 
 
-def open_hosts(n_hosts: int = 4, *, rate: str | None = "1gbit", names: Sequence[str] = ()):
+def open_hosts(
+    n_hosts: int = 4, *, rate: str | None = "1gbit", names: Sequence[str] = (), family: int = 4
+):
     """Open namespaced hosts, or skip the test with the reason they cannot be made here."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    hosts = NetnsHosts(n_hosts, rate=rate, names=names)
+    hosts = NetnsHosts(n_hosts, rate=rate, names=names, family=family)
     try:
         hosts.open()
     except NetnsError as exc:
@@ -61,8 +63,8 @@ def close_hosts(hosts: NetnsHosts) -> None:
     assert not left, f"namespaces left behind: {sorted(left)}"
 
 
-def hosts_fixture() -> Iterator[NetnsHosts]:
-    hosts = open_hosts(4)
+def hosts_fixture(family: int = 4) -> Iterator[NetnsHosts]:
+    hosts = open_hosts(4, family=family)
     try:
         yield hosts
     finally:

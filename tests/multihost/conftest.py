@@ -17,6 +17,12 @@ def hosts() -> Iterator[NetnsHosts]:
 
 
 @pytest.fixture
+def hosts6() -> Iterator[NetnsHosts]:
+    """Four hosts h0..h3 on one bridge addressed by IPv6 only (fd00:217:44::1-4)."""
+    yield from hosts_fixture(family=6)
+
+
+@pytest.fixture
 def procs() -> Procs:
     """Collects the events of commands a test starts on the hosts."""
     return Procs()
