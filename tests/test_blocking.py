@@ -326,7 +326,8 @@ def test_ctrl_c_interrupts_a_blocked_wait_and_the_communicator_stays_usable():
             blocked, peer = procs
             assert blocked.stdout.readline().strip() == "waiting", blocked.stderr.read()
             assert peer.stdout.readline().strip() == "ready", peer.stderr.read()
-            time.sleep(0.3)  # let rank 0 get into its wait (no event crosses the process)
+            # "waiting" comes once rank 0's main thread is in the wait (a thread of the
+            # script looks at its stack), not after a guessed sleep
             sent = time.monotonic()
             blocked.send_signal(signal.SIGINT)
             line = blocked.stdout.readline()

@@ -5,6 +5,7 @@ sends it SIGINT. Both print what happened to them.
 """
 
 import sys
+import threading
 import time
 
 import numpy as np
@@ -12,10 +13,31 @@ import numpy as np
 import dsml
 import dsml.blocking
 
+
+def in_the_wait(thread_id: int) -> bool:
+    """Is that thread blocked in Handle.wait's future.result() (inside its try)?"""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None and frame.f_back is not None:
+        caller = frame.f_back.f_code
+        if frame.f_code.co_name == "result" and caller.co_name == "wait":
+            return caller.co_filename.endswith("blocking_loop.py")
+        frame = frame.f_back
+    return False
+
+
+def say_waiting_once_in_the_wait(thread_id: int) -> None:
+    """Print "waiting" only once the main thread is in the wait, so the test's SIGINT
+    lands there however long a busy machine takes to get it there (a sleep would guess)."""
+    while not in_the_wait(thread_id):
+        time.sleep(0.005)
+    print("waiting", flush=True)
+
+
 with dsml.blocking.init(timeout=60) as comm:
     x = np.ones(4)
     if comm.rank == 0:
-        print("waiting", flush=True)
+        main = threading.get_ident()
+        threading.Thread(target=say_waiting_once_in_the_wait, args=(main,), daemon=True).start()
         started = time.monotonic()
         try:
             comm.all_reduce(x)
