@@ -35,6 +35,7 @@ from mnist.data import DataError, Dataset, load
 from mnist.mlp import MLP
 
 import dsml
+from dsml.collectives import ALL_REDUCE_ALGORITHMS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, help="global batch: 256 (32 with --quick)")
     parser.add_argument("--lr", type=float, help="SGD step size: 0.2 (0.1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--algorithm", choices=["auto", "ring", "tree", "naive"], default="auto")
+    parser.add_argument(
+        "--algorithm", choices=["auto", *ALL_REDUCE_ALGORITHMS], default="auto"
+    )  # auto: shared memory (shm) when every rank is on this host
     parser.add_argument(
         "--dataset",
         choices=["auto", "mnist", "subset"],
