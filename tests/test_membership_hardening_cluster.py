@@ -29,7 +29,7 @@ from dsml import (
 )
 from dsml.testing import Faults, InProcessCluster, crash, inject, open_local_cluster
 from dsml.wire import Envelope, Fingerprint, Kind, encode
-from tests.waiting import eventually
+from tests.waiting import LoopLag, eventually
 
 HB = RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=0.5)
 CONFIG = CommConfig(timeout=8, view_timeout=8, join_timeout=10, registry_timeout=2)
@@ -115,10 +115,15 @@ async def test_a_3_plus_1_partition_without_registry_leaves_one_group_and_heals_
                     errors.append(exc)
             return errors, time.monotonic() - started
 
-        majority_errors = await asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
-        lone_errors, learned = await minority()
-        print(f"\nminority learned in {learned:.2f} s: {[type(e).__name__ for e in lone_errors]}")
-        assert learned < 2 * HB.heartbeat_timeout + 1.0
+        async with LoopLag() as lag:  # the time a loaded machine held this loop up
+            majority = asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
+            majority_errors = await majority
+            lone_errors, learned = await minority()
+        print(
+            f"\nminority learned in {learned:.2f} s ({lag.late:.2f} s of it the loop held up): "
+            f"{[type(e).__name__ for e in lone_errors]}"
+        )
+        assert lag.net(learned) < 2 * HB.heartbeat_timeout + 1.0
         assert all(len(e) <= 1 for e in majority_errors), majority_errors
         views = {(c.epoch, tuple(m.id for m in c.view.members)) for c in cluster.comms[:3]}
         assert len(views) == 1
@@ -150,12 +155,13 @@ async def test_a_rank_lost_just_after_the_registry_died_is_agreed_on_once_it_cou
         await cluster.run(exact_call)
         await cluster.registry.aclose()
         died = time.monotonic()
-        await asyncio.sleep(0.2)
-        await crash(cluster[3])
-        errors = await asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
+        async with LoopLag() as lag:  # the time a loaded machine held this loop up
+            await asyncio.sleep(0.2)
+            await crash(cluster[3])
+            errors = await asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
         took = time.monotonic() - died
         assert all(len(e) <= 1 for e in errors), errors
-        assert took < hb.heartbeat_timeout - 1.0, took  # about timeout / 2 + a round
+        assert lag.net(took) < hb.heartbeat_timeout - 1.0, (took, lag.late)  # timeout / 2 + a round
         assert took > hb.heartbeat_timeout / 2 - 0.5, took  # not before it counted as away
         views = {(c.epoch, tuple(m.id for m in c.view.members)) for c in cluster.comms[:3]}
         assert len(views) == 1
@@ -226,15 +232,19 @@ async def test_a_cut_off_rank_learns_within_the_heartbeat_timeout():
         partition(cluster, [[0, 1, 2], [3]])
         started = time.monotonic()
         lone = cluster[3]
-        pending = asyncio.ensure_future(exact_call(lone))
-        survivors = asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
-        with pytest.raises(EvictedError):
-            await pending
+        async with LoopLag() as lag:  # the time a loaded machine held this loop up
+            pending = asyncio.ensure_future(exact_call(lone))
+            survivors = asyncio.gather(*(until_size(cluster[r], 3) for r in range(3)))
+            with pytest.raises(EvictedError):
+                await pending
         learned = time.monotonic() - started
         errors = await survivors
         regrouped = time.monotonic() - started
-        print(f"\ncut-off rank learned in {learned:.2f} s; survivors regrouped: {regrouped:.2f} s")
-        assert learned < 2 * HB.heartbeat_timeout + 1.0
+        print(
+            f"\ncut-off rank learned in {learned:.2f} s ({lag.late:.2f} s of it the loop held "
+            f"up); survivors regrouped: {regrouped:.2f} s"
+        )
+        assert lag.net(learned) < 2 * HB.heartbeat_timeout + 1.0
         with pytest.raises(EvictedError):
             await exact_call(lone)
         assert all(len(e) <= 1 for e in errors), errors
