@@ -16,13 +16,17 @@ import atexit
 import concurrent.futures
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Handle", "LoopThread"]
+__all__ = ["Handle", "LoopThread", "wait_done"]
 
 T = TypeVar("T")
+
+#: how long a blocked wait sleeps at most before it lets Python run a signal handler
+_SIGNAL_SLICE_S = 0.1
 
 
 class Handle(Generic[T]):
@@ -52,7 +56,8 @@ class Handle(Generic[T]):
         Ctrl-C (KeyboardInterrupt) while waiting cancels the operation, then re-raises.
         """
         try:
-            return self._future.result(timeout)
+            wait_done(self._future, timeout)
+            return self._future.result()
         except concurrent.futures.TimeoutError:
             if self._future.done():
                 raise  # the operation itself raised a TimeoutError
@@ -174,3 +179,21 @@ def _stop_at_exit() -> None:
     """
     for thread in list(_live):
         thread.stop(_EXIT_JOIN_S)
+
+
+def wait_done(future: concurrent.futures.Future[Any], timeout: float | None) -> None:
+    """Block until future is done, in slices of at most 0.1 s; TimeoutError if `timeout`
+    seconds pass first.
+
+    Any thread of a process may take a process-directed signal. A SIGINT taken by the loop
+    thread (or another Python thread) sets Python's flag but does not wake the main
+    thread's lock wait, so one long wait would raise KeyboardInterrupt only when the call
+    ended by itself (seen as a Ctrl-C test hanging under load). Waking every slice lets
+    the main thread run the handler within 0.1 s.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not future.done():
+        left = _SIGNAL_SLICE_S if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        concurrent.futures.wait([future], timeout=min(left, _SIGNAL_SLICE_S))

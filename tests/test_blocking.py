@@ -349,3 +349,19 @@ def test_ctrl_c_interrupts_a_blocked_wait_and_the_communicator_stays_usable():
         peer_line = outs[1][0].splitlines()[0]
         assert peer_line in ("peer: CollectiveAbortedError", "peer: no error"), outs[1]
         assert "usable" in outs[1][0]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_taken_by_another_thread_still_interrupts_the_main_threads_wait():
+    """The kernel may hand a process's SIGINT to any of its threads; one taken by the loop
+    thread set Python's flag but never woke the main thread's lock wait, so Ctrl-C (and
+    the test above, under load) hung until the call ended by itself."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sigint_to_another_thread.py")],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=ROOT,
+    )
+    assert result.stdout.startswith("interrupted after"), (result.stdout, result.stderr)
+    assert float(result.stdout.split()[2]) < 20  # not the 30 s the sleep would take

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..blocking_loop import wait_done
+
 __all__ = ["DsmlWork", "RunState", "backend_error", "cause_of"]
 
 #: after a wait() that timed out cancels its call, how long it waits for the call to end
@@ -101,10 +103,8 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
         as they were, the other ranks' matching call fails too, and the error says so.
         Left running, it would have written the tensors after wait() had raised."""
         seconds = timeout.total_seconds() if timeout is not None else 0.0
-        try:
-            self._future.exception(seconds if seconds > 0 else None)
-        except concurrent.futures.CancelledError:
-            pass  # _error() describes it
+        try:  # in slices, so a Ctrl-C that another thread took still raises here
+            wait_done(self._future, seconds if seconds > 0 else None)
         except TimeoutError:
             self._cancel()
             raise dist.DistBackendError(

@@ -15,12 +15,12 @@ import dsml.blocking
 
 
 def in_the_wait(thread_id: int) -> bool:
-    """Is that thread blocked in Handle.wait's future.result() (inside its try)?"""
+    """Is that thread blocked in Handle.wait's wait_done() (inside its try)?"""
     frame = sys._current_frames().get(thread_id)
-    while frame is not None and frame.f_back is not None:
-        caller = frame.f_back.f_code
-        if frame.f_code.co_name == "result" and caller.co_name == "wait":
-            return caller.co_filename.endswith("blocking_loop.py")
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "wait_done" and code.co_filename.endswith("blocking_loop.py"):
+            return True
         frame = frame.f_back
     return False
 
