@@ -32,6 +32,7 @@ from dsml.transport.addresses import (
     split_tcp,
     wants_ipv6,
 )
+from tests.harness.procs import joined_output
 from tests.test_launch_launchers import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,18 +303,8 @@ def test_launcher_variables_with_master_addr_v6_form_one_group_over_v6() -> None
         )
         for rank in range(4)
     ]
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=50)
-            assert proc.returncode == 0, out + err
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    _assert_group_over_v6("".join(outputs), 4)
+    output = joined_output(procs)
+    _assert_group_over_v6(output, 4)
 
 
 def _free_v6_port_pair() -> int:
@@ -349,18 +340,8 @@ def test_dsml_run_nnodes_2_over_v6_loopback_with_curve_forms_one_group(tmp_path:
         )
         for node in (0, 1)
     ]
-    outputs = []
-    try:
-        for node in nodes:
-            out, err = node.communicate(timeout=50)
-            assert node.returncode == 0, out + err
-            outputs.append(out)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-    _assert_group_over_v6("".join(outputs), 4)
+    output = joined_output(nodes)
+    _assert_group_over_v6(output, 4)
 
 
 @needs_v6

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsml.launch import slurm_port
+from tests.harness.procs import joined_output
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "launch_check.py")
@@ -151,16 +152,6 @@ def test_srun_variables_alone_form_one_group_at_the_port_derived_from_the_job_id
                 text=True,
             )
         )
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=50)
-            assert proc.returncode == 0, out + err
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert_one_group("".join(outputs), n)
-    assert all(f":{port}" not in str(r["address"]) for r in reports("".join(outputs)))
+    output = joined_output(procs)
+    assert_one_group(output, n)
+    assert all(f":{port}" not in str(r["address"]) for r in reports(output))
