@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from ..config import CommConfig
 from ..errors import ConfigError, JoinTimeoutError, ProtocolError, RegistryUnavailableError
 from ..transport import Beacon, Channel, Mailbox
+from ..transport.addresses import split_tcp
 from ..wire import Envelope, Fields, Kind
 from .view import Change, Member, View
 
@@ -371,12 +372,12 @@ def _who_listens(address: str) -> str:
     waits; telling the user to start a registry there would fail with "address in use".
     """
     start = f"Start one with `dsml registry --address {address}`, or check DSML_REGISTRY"
-    if not address.startswith("tcp://"):
-        return f"is it running? {start}"
-    host, _, port = address[len("tcp://") :].rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+        host, port = split_tcp(address)
+        with socket.create_connection((host, int(port)), timeout=1.0):
             pass
+    except ConfigError:  # ipc://, or no port to probe
+        return f"is it running? {start}"
     except (OSError, ValueError):
         return f"nothing listens there. {start}"
     return (
