@@ -78,7 +78,7 @@ async def turns_worker(small: int, big: int) -> None:
         await comm.all_reduce(x)
         await comm.all_reduce(y)
         ran = comm.all_reduce_choice(small).algorithm
-        shm = comm._shm  # private: the turns it holds (None with DSML_SHM=0)
+        shm = comm._session.shm  # private: the turns it holds (None with DSML_SHM=0)
         held = len(shm._claimed) if shm is not None else 0
         for _ in range(200):
             await comm.all_reduce(x)

@@ -176,7 +176,7 @@ async def test_the_chunks_auto_may_choose_stay_within_the_smallest_frame_of_the_
     table decides (every rank alike: the bound comes from the view)."""
     from dsml.collectives.cost_auto import AutoChooser
     from dsml.collectives.cost_probe import PROBE_FRAME_BYTES
-    from dsml.communicator.communicator import frame_limit
+    from dsml.communicator.session import frame_limit
     from dsml.membership import Member, View
 
     def view(epoch: int, *frames: int) -> View:

@@ -15,7 +15,7 @@ from dsml.wire import Kind
 async def test_a_bug_while_handling_a_message_fails_pending_and_later_calls_on_every_rank(caplog):
     async with open_local_cluster(2) as cluster:
         broken = cluster[1]
-        table = broken._table
+        table = broken._session.table
 
         def buggy(rank, env, payload):
             raise RuntimeError("injected bug in a handler")

@@ -16,7 +16,7 @@ import pytest
 
 from dsml.cli.nodes import link_address
 from dsml.cli.run import node_zero_bind
-from dsml.communicator.communicator import host_keys
+from dsml.communicator.session import host_keys
 from dsml.errors import ConfigError
 from dsml.launch import Hosting, choose_bind, resolve_rendezvous
 from dsml.membership import Member, View

@@ -298,7 +298,7 @@ async def test_a_member_claiming_another_ranks_source_is_dropped(caplog):
         fp = Fingerprint("all_reduce", "int64", 16, (16,), "sum", None, "ring")
         forged = Envelope(Kind.CHUNK, target.epoch, 1, cid, 0, 0, fp)  # src 1, sent by rank 2
         # Rank 2's real channel to rank 0 (a member gone bad): the transport is unchanged.
-        await cluster[2]._links.send(0, forged, [np.zeros(16, dtype=np.int64).tobytes()])
+        await cluster[2]._session.links.send(0, forged, [np.zeros(16, dtype=np.int64).tobytes()])
         await eventually(
             lambda: target.statistics()["dropped"] >= before + 1, "the forged message dropped"
         )

@@ -133,7 +133,7 @@ async def test_a_goodbye_that_never_came_is_warned_of_only_by_ranks_still_open(c
 async def test_a_silent_member_is_evicted_after_the_heartbeat_timeout_and_told_so():
     async with open_local_cluster(3, config=PATIENT, registry_config=FAST_BEATS) as cluster:
         silent = cluster[2]
-        beacon = silent._registry.beacon
+        beacon = silent._session.registry.beacon
         assert beacon is not None
         # It is in a collective of the old epoch when it falls silent: its messages are
         # never applied (its peers count them as stale).
@@ -147,7 +147,9 @@ async def test_a_silent_member_is_evicted_after_the_heartbeat_timeout_and_told_s
         # Once they heard of the new view, no survivor call of epoch 1 can take the silent
         # member's message (which one that started earlier could, before it failed).
         await eventually(
-            lambda: all(c._views.latest and c._views.latest.epoch == 2 for c in survivors),
+            lambda: all(
+                c._session.views.latest and c._session.views.latest.epoch == 2 for c in survivors
+            ),
             "the survivors heard of epoch 2",
         )
         first = await gather(*(c.all_reduce(np.ones(8)) for c in survivors))
@@ -168,7 +170,7 @@ async def test_a_silent_member_is_evicted_after_the_heartbeat_timeout_and_told_s
 
 async def test_a_short_silence_evicts_nobody():
     async with open_local_cluster(3, config=PATIENT, registry_config=FAST_BEATS) as cluster:
-        beacon = cluster[1]._registry.beacon
+        beacon = cluster[1]._session.registry.beacon
         assert beacon is not None
         beacon.pause()
         await asyncio.sleep(FAST_BEATS.heartbeat_timeout / 3)
@@ -332,7 +334,7 @@ async def test_point_to_point_after_a_loss_fails_once_then_uses_the_new_ranks():
 async def test_a_member_that_was_evicted_can_join_again_as_a_new_member():
     async with open_local_cluster(2, config=PATIENT, registry_config=FAST_BEATS) as cluster:
         gone = cluster[1]
-        beacon = gone._registry.beacon
+        beacon = gone._session.registry.beacon
         assert beacon is not None
         beacon.pause()
         await eventually(lambda: cluster.registry.epoch == 2, "the eviction", within=5)

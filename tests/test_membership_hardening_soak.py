@@ -147,7 +147,7 @@ class HeldChannel:
 
 
 def _links(comm: dsml.Communicator) -> Any:
-    return getattr(comm, "_links", None) or comm._mesh  # type: ignore[attr-defined]
+    return comm._session.links
 
 
 async def pause(comm: dsml.Communicator, seconds: float) -> None:
@@ -161,13 +161,12 @@ async def pause(comm: dsml.Communicator, seconds: float) -> None:
         channels.append(held)
         return held  # type: ignore[return-value]
 
-    beacon = comm._registry.beacon  # type: ignore[attr-defined]
+    beacon = comm._session.registry.beacon  # type: ignore[attr-defined]
     if beacon is not None:
         beacon.pause()
-    links.wrap_channel = wrap
-    links.rewrap()
+    links.inject(wrap, links.cut)
     await asyncio.sleep(seconds)
-    links.wrap_channel = None
+    links.inject(None, links.cut)
     for held in channels:
         await held.resume()
     if beacon is not None:

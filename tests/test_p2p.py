@@ -264,7 +264,7 @@ async def test_a_posted_recv_gets_the_message_when_the_registry_reports_the_leav
     # under load the registry's word came first and failed the posted recv. Held here
     # until the registry's word is in, then delivered in the order they came.
     async with open_local_cluster(2, config=PATIENT) as cluster:
-        table = cluster[0]._table
+        table = cluster[0]._session.table
         kinds = (Kind.PEER_MESSAGE, Kind.GOODBYE)
         originals = {kind: table.inbound[kind] for kind in kinds}
         held: list[tuple[Kind, int, Envelope, list[bytes]]] = []

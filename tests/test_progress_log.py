@@ -268,7 +268,7 @@ async def test_a_call_that_times_out_keeps_whom_it_waited_for_in_its_record(prog
     async with open_local_cluster(2, config=config) as cluster:
         with pytest.raises(dsml.CollectiveTimeoutError, match="rank 1 has not arrived"):
             await cluster[0].barrier()  # rank 1 never calls it
-        record = cluster[0]._runner.stats.recent[-1]
+        record = cluster[0]._session.runner.stats.recent[-1]
     assert progress_lines.of(0), "no progress line before the timeout"
     assert record.outcome == "CollectiveTimeoutError"
     assert record.waiting_for is not None

@@ -278,7 +278,7 @@ def test_kill_9_of_ranks_mid_operation_twenty_times_leaves_no_segment_behind(tag
 @pytest.mark.parametrize("world", [2, 3, 4])
 async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: int) -> None:
     async with open_local_cluster(world) as comms:
-        assert all(c._shm.plane.all_local for c in comms)
+        assert all(c._session.shm.plane.all_local for c in comms)
         cases = [(0, "int32", "sum"), (7, "int64", "prod"), (70_000, "float32", "max")]
         bitwise = [(5_000_000, "uint8", "bxor"), (300_000, "int64", "bor"), (9, "bool", "band")]
         for n, dtype, op in [*cases, (600_000, "int32", "min"), *bitwise]:
@@ -305,7 +305,9 @@ async def test_all_reduce_runs_in_shared_memory_on_one_host_and_is_exact(world: 
         for b in base:
             np.testing.assert_array_equal(b[:, 1:4], np.arange(40.0).reshape(8, 5)[:, 1:4] * total)
         await asyncio.gather(*(c.barrier() for c in comms))
-        assert all(c._shm.plane.calls == 9 for c in comms)  # every call ran in shared memory
+        assert all(
+            c._session.shm.plane.calls == 9 for c in comms
+        )  # every call ran in shared memory
 
 
 async def test_ranks_calling_different_shapes_fail_with_a_mismatch_on_every_rank() -> None:
@@ -380,11 +382,11 @@ async def test_dsml_shm_0_keeps_every_collective_on_tcp(monkeypatch: pytest.Monk
     async with open_local_cluster(2) as comms:
         assert not comms[0].config.shm
         assert comms[0].view.members[0].host_id == ""
-        assert not comms[0]._shm.plane.all_local
+        assert not comms[0]._session.shm.plane.all_local
         xs = [np.full(5, r + 1, np.int32) for r in range(2)]
         await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
         assert all((x == 3).all() for x in xs)
-        assert comms[0]._shm.plane.calls == 0
+        assert comms[0]._session.shm.plane.calls == 0
 
 
 def test_dsml_shm_config_is_validated() -> None:
@@ -426,7 +428,7 @@ async def test_broadcast_all_gather_and_reduce_scatter_in_shared_memory_are_exac
         for r, part in enumerate(parts):
             np.testing.assert_array_equal(part, np.array_split(total, world)[r])
         assert all((y == np.arange(n) % 7 + r).all() for r, y in enumerate(ys))  # inputs kept
-        assert all(c._shm.plane.calls == 3 for c in comms)  # all in shared memory
+        assert all(c._session.shm.plane.calls == 3 for c in comms)  # all in shared memory
 
 
 async def test_an_all_reduce_of_more_pieces_than_a_call_has_phases_is_exact() -> None:
@@ -454,7 +456,7 @@ async def test_a_broadcast_of_more_pieces_than_a_call_has_phases_is_exact() -> N
         await asyncio.gather(*(c.broadcast(x, root=2) for c, x in zip(comms, xs, strict=True)))
         for x in xs:
             np.testing.assert_array_equal(x, np.arange(1 << 19) % 101)
-        assert all(c._shm.plane.calls == 1 for c in comms)  # in shared memory
+        assert all(c._session.shm.plane.calls == 1 for c in comms)  # in shared memory
 
 
 @pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (3, 1), (2, 3)])
@@ -468,7 +470,7 @@ async def test_hierarchical_all_reduce_over_hosts_is_exact(
     monkeypatch.setattr(init_module, "host_identity", lambda: next(identities))
     world = hosts * per_host
     async with open_local_cluster(world) as comms:
-        assert not comms[0]._shm.plane.all_local
+        assert not comms[0]._session.shm.plane.all_local
         for n, op in [(10, "sum"), (100_003, "max"), (50_000, "avg")]:
             dtype = np.float64 if op == "avg" else np.int64
             xs = [(np.arange(n) % 11 + r).astype(dtype) for r in range(world)]
@@ -482,7 +484,7 @@ async def test_hierarchical_all_reduce_over_hosts_is_exact(
             for x in xs:
                 np.testing.assert_allclose(x, expected, rtol=1e-12)
             assert len({x.tobytes() for x in xs}) == 1  # bitwise identical everywhere
-        assert all(c._shm.plane.calls == 3 for c in comms)  # the local phases ran
+        assert all(c._session.shm.plane.calls == 3 for c in comms)  # the local phases ran
 
 
 async def test_an_auto_call_that_runs_over_tcp_does_not_hold_up_a_later_hierarchical_one(

@@ -56,11 +56,11 @@ async def test_dsml_shm_0_turns_the_default_off_and_nothing_else_does(
 ) -> None:
     async with open_local_cluster(2) as cluster:
         await cluster.run(lambda c: c.all_reduce(np.ones(8)))
-        assert all(c._shm.plane.calls == 1 for c in cluster)
+        assert all(c._session.shm.plane.calls == 1 for c in cluster)
     monkeypatch.setenv("DSML_SHM", "0")
     async with open_local_cluster(2) as cluster:
         await cluster.run(lambda c: c.all_reduce(np.ones(8)))
-        assert all(c._shm.plane.calls == 0 for c in cluster)
+        assert all(c._session.shm.plane.calls == 0 for c in cluster)
 
 
 @pytest.mark.timeout(60)
@@ -74,7 +74,7 @@ async def test_a_rank_crashing_mid_call_without_registry_fails_every_survivor_wi
         await cluster.run(lambda c: c.all_reduce(np.ones(4)))
         await cluster.registry.aclose()
         alone = asyncio.ensure_future(cluster[2].all_reduce(np.ones(4)))
-        await eventually(lambda: cluster[2]._shm.plane.calls == 2, "rank 2 in the shm call")
+        await eventually(lambda: cluster[2]._session.shm.plane.calls == 2, "rank 2 in the shm call")
         await asyncio.sleep(0.05)  # rank 2 waits inside the call (for the others)
         await crash(cluster[2])
         await eventually(alone.done, "the crashed rank's call ended")
@@ -83,7 +83,7 @@ async def test_a_rank_crashing_mid_call_without_registry_fails_every_survivor_wi
         for outcome in await asyncio.gather(*survivors, return_exceptions=True):
             assert isinstance(outcome, PeerLostError), repr(outcome)
         # the next call runs over the two survivors, exactly, in shared memory again
-        before = [cluster[r]._shm.plane.calls for r in (0, 1)]
+        before = [cluster[r]._session.shm.plane.calls for r in (0, 1)]
         for _ in range(3):
             results = await asyncio.gather(
                 *(cluster[r].all_reduce(np.full(4, r + 1.0)) for r in (0, 1)),
@@ -94,7 +94,7 @@ async def test_a_rank_crashing_mid_call_without_registry_fails_every_survivor_wi
             assert all(isinstance(x, MembershipChangedError) for x in results), results
         assert all((x == 3.0).all() for x in results), results
         assert [cluster[r].world_size for r in (0, 1)] == [2, 2]
-        assert all(cluster[r]._shm.plane.calls > before[i] for i, r in enumerate((0, 1)))
+        assert all(cluster[r]._session.shm.plane.calls > before[i] for i, r in enumerate((0, 1)))
 
 
 @pytest.mark.timeout(60)
@@ -105,12 +105,12 @@ async def test_a_partition_injected_on_the_data_links_stalls_the_shared_memory_p
             inject(cluster[0], Faults(partition={cluster[1].member_id})),
             inject(cluster[1], Faults(partition={cluster[0].member_id})),
         ]
-        calls = [c._shm.plane.calls for c in cluster]
+        calls = [c._session.shm.plane.calls for c in cluster]
         outcomes = await asyncio.gather(
             *(c.all_reduce(np.ones(4), timeout=0.5) for c in cluster), return_exceptions=True
         )
         # in shared memory, and stalled there as on dropped messages: no silent success
-        assert [c._shm.plane.calls for c in cluster] == [n + 1 for n in calls]
+        assert [c._session.shm.plane.calls for c in cluster] == [n + 1 for n in calls]
         for outcome in outcomes:
             assert isinstance(outcome, CollectiveTimeoutError), repr(outcome)
         for f in cut:

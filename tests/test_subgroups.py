@@ -23,6 +23,7 @@ from dsml import (
     PeerLostError,
     ProtocolError,
 )
+from dsml.collectives import choose_all_reduce
 from dsml.testing import crash, open_local_cluster
 from tests.waiting import eventually
 
@@ -209,7 +210,7 @@ async def test_sub_groups_made_and_closed_in_a_loop_leave_nothing_held():
                 await sub.all_reduce(np.ones(4))
                 await sub.aclose()
             await comm.barrier()  # each peer's goodbyes came before its barrier message
-            return comm._demux._held
+            return comm._session.demux._held
 
         assert await cluster.run(rounds) == [0, 0, 0, 0]
 
@@ -289,7 +290,7 @@ async def test_nested_splits_of_overlapping_sub_communicators_run_concurrently_a
             groups = [by_up, by_down, by_parity]
             handles = [g.all_gather(me) for g in (groups[::-1] if comm.rank % 2 else groups)]
             got = [(await h).tolist() for h in handles]
-            numbers = {up.group, down.group, *(g.group for g in groups)}
+            numbers = {g._session.links.group for g in (up, down, *groups)}
             return got[::-1] if comm.rank % 2 else got, len(numbers)
 
         rows = await cluster.run(overlapping)
@@ -392,7 +393,7 @@ async def test_closing_a_sub_communicator_closes_its_nested_groups_and_the_rest_
         await asyncio.gather(*(s.aclose() for s in subs))
         with pytest.raises(ConfigError):
             inner[0].all_reduce(np.ones(2))
-        assert all(c._subs == [] for c in cluster)  # nothing of them is left routed
+        assert all(c._groups.subs == {} for c in cluster)  # nothing of them is left routed
         again = await cluster.run(lambda c: c.split(0))
         results = await asyncio.gather(*(s.all_reduce(np.ones(2)) for s in again))
         assert all((r == 3).all() for r in results)
@@ -504,3 +505,33 @@ def test_numbers_of_root_and_nested_sub_groups_never_meet_and_fit_a_stamped_id()
     with pytest.raises(ConfigError, match="split at most"):
         subgroups.group_id(1 << 14, 0)
     assert subgroups.unpack_rows([3, 1, 7, 1, 4, 0, 5, 9]) == [[1, 7], [], [0, 5, 9]]
+
+
+async def test_a_sub_communicator_answers_what_its_parent_answers_and_runs_its_close_hooks():
+    # cost_model, all_reduce_choice and on_close are the Communicator's, on a sub-group too
+    # (they once raised AttributeError there): no measured model, the size table's choice.
+    async with open_local_cluster(4) as cluster:
+
+        async def probe(comm):
+            sub = await comm.split(comm.rank % 2)
+            closed: list[int] = []
+
+            async def hook() -> None:
+                closed.append(sub.rank)
+
+            sub.on_close(hook)
+            choice = sub.all_reduce_choice(4096)
+            before = list(closed)
+            await sub.aclose()
+            await sub.aclose()  # a second close does nothing, hooks included
+            total = await comm.all_reduce(np.ones(2))  # the parent stays open
+            return sub.cost_model, choice.algorithm, choice.chunk_bytes, before, closed, total
+
+        rows = await cluster.run(probe)
+    for rank, (model, algorithm, chunk, before, closed, total) in enumerate(rows):
+        assert model is None
+        assert algorithm == choose_all_reduce(4096, 2)
+        assert chunk == cluster[rank].config.chunk_bytes
+        assert before == []
+        assert closed == [rank // 2]
+        np.testing.assert_array_equal(total, [4.0, 4.0])

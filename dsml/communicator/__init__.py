@@ -1,7 +1,7 @@
 """Communicator layer: binds a view and the transport into a Group for every call.
 
-Public methods, fingerprints, aborts, timeouts; see `communicator.py` for the API (its
-parts: `comm_info.py`, `comm_calls.py`, `comm_groups.py`).
+Public methods, fingerprints, aborts, timeouts; see `communicator.py` for the API, and
+docs/architecture.md for the objects it is made of (`Session`, `RootLife`, `Groups`).
 """
 
 from .collective_handle import CollectiveHandle

@@ -68,13 +68,13 @@ class CallTable:
         self.finished: tuple[int, int, Fingerprint] | None = None
         self._aborts: dict[int, Envelope] = {}  # aborts of calls not made here yet
         #: told when a peer said goodbye: (its rank, its last collective, calls failed)
-        self.on_peer_left: Callable[[int, int, int], None] = lambda _rank, _last, _failed: None
+        self._on_peer_left: Callable[[int, int, int], None] = lambda _rank, _last, _failed: None
         self._probing: set[tuple[int, int]] = set()  # calls whose timeout asks the peers
         #: calls that run long and asked the peers where they are (the progress log)
         self._asking: dict[tuple[int, int], WaitingFor] = {}
         #: the tables of sub-communicators (comm.split): a failure of this table's calls
         #: (a lost member, an eviction) fails theirs too
-        self.children: list[CallTable] = []
+        self._children: list[CallTable] = []
         self.inbound: dict[Kind, Inbound] = {
             Kind.CHUNK: self.handle_chunk,
             Kind.CONFIRM: self.handle_chunk,
@@ -84,6 +84,18 @@ class CallTable:
             Kind.GOODBYE: self.handle_goodbye,
             Kind.PEER_MESSAGE: self.handle_peer_message,
         }
+
+    def report_departures(self, to: Callable[[int, int, int], None]) -> None:
+        """Tell `to(rank, last, failed)` (`ViewChanges.peer_left`) of each goodbye."""
+        self._on_peer_left = to
+
+    def adopt(self, child: CallTable) -> None:
+        """Fail the calls of `child` (a sub-group's table) with this table's."""
+        self._children.append(child)
+
+    def disown(self, child: CallTable) -> None:
+        if child in self._children:
+            self._children.remove(child)
 
     @property
     def epoch(self) -> int:
@@ -174,7 +186,7 @@ class CallTable:
         for call in [*self.calls.values(), *self.receives]:
             if (call.cid > after or call in self.receives) and call.failure is None:
                 failed += call.fail(make_error(call))
-        for child in self.children:
+        for child in self._children:
             child.fail_all(make_error)
         return failed
 
@@ -358,7 +370,7 @@ class CallTable:
         error = fields.get_str("error", 2048, optional=True)
         failed = self.peer_closed(rank, last, error)
         self.peer_messages_ended(rank)
-        self.on_peer_left(rank, last, failed)
+        self._on_peer_left(rank, last, failed)
 
     def handle_peer_message(self, rank: int, env: Envelope, payload: list[memoryview]) -> None:
         if env.fingerprint is None:

@@ -59,7 +59,7 @@ class EngineLink:
     def var(self) -> Var:
         if self._var is None:
             self._var = self.engine.new_var("comm")
-            self._var._watch = _TurnKeeper(self._runner)
+            self._var.set_watch(_TurnKeeper(self._runner))
         return self._var
 
     async def aclose(self, *, cancel: bool) -> None:
@@ -138,7 +138,7 @@ class EngineLink:
         mutate = [tagged.var, self.var]
         self.engine.push(issue, read=read, mutate=mutate, name=f"issue {name}", always_run=True)
         handle = self.engine.push(complete, mutate=[tagged.var], name=name)
-        handle._cancel_hook = cancel
+        handle.cancel_through(cancel)
         return handle
 
     # -- direct calls -----------------------------------------------------------------------

@@ -6,7 +6,6 @@ defaults, once, and hands frozen configuration inward.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -26,6 +25,7 @@ from ..transport import Curve
 from ..transport.addresses import advertised
 from ..transport.shm_segment import host_identity
 from .communicator import Communicator
+from .lifecycle import open_root
 from .links import PeerLinks
 from .tasks import TaskOwner
 
@@ -98,7 +98,6 @@ async def _join(args: _JoinArgs) -> Communicator:
 
 
 async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
-    loop = asyncio.get_running_loop()
     config = dataclasses.replace(
         args.config, bind=choose_bind(args.bind, args.ifname, registry_address)
     )
@@ -128,8 +127,8 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
         view = await registry.join(size, args.plan.rank, running=running)
         rank = view.rank_of(member_id)
         assert rank is not None, "the registry's view must contain the member that joined"
-        comm = Communicator(links, tasks, registry, config, loop, _place(args, rank))
-        comm.open(view)  # installs the view, listens to the registry, starts heartbeats
+        # installs the view, listens to the registry, starts heartbeats
+        comm = open_root(links, tasks, registry, config, _place(args, rank), view)
     except BaseException:  # clean up, then re-raise
         with contextlib.suppress(DsmlError):
             await registry.leave()  # the registry must not keep a member that is not coming

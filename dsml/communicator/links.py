@@ -20,7 +20,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import CommConfig
 from ..errors import DsmlError, ProtocolError
@@ -32,7 +32,7 @@ from ..transport import Channel, Endpoint, Sent, tune_malloc
 from ..wire import Envelope, Kind
 from .tasks import TaskOwner
 
-__all__ = ["Inbound", "PeerLinks"]
+__all__ = ["Inbound", "LinkEvents", "PeerLinks"]
 
 log = logging.getLogger("dsml.communicator")
 
@@ -49,6 +49,23 @@ _MEMBERSHIP_KINDS = frozenset({Kind.PEER_BEAT, Kind.VIEW_PROPOSAL})
 Inbound = Callable[[int, Envelope, list[memoryview]], None]
 
 
+class LinkEvents(Protocol):
+    """What the links tell the root communicator (`RootLife`, lifecycle.py)."""
+
+    def peer_lost(self, member_id: str) -> None:
+        """A peer's connection dropped without a goodbye."""
+
+    def said_goodbye(self, rank: int) -> bool:
+        """Whether peer `rank` said goodbye (a dropped connection then is no loss)."""
+        ...
+
+    def membership(self, rank: int, env: Envelope) -> None:
+        """A message of the membership protocol between peers (a view proposal)."""
+
+    def bug(self, exc: BaseException) -> None:
+        """A bug met while handling a message: the communicator fails."""
+
+
 class PeerLinks:
     """See the module docstring. `bind`, then `route`, then `enter(view)`."""
 
@@ -59,20 +76,13 @@ class PeerLinks:
         self.rank = -1
         self.counters: Counter[str] = Counter()
         self.crashed = False  # dsml.testing.crash: as if the process had died
-        #: wraps each new peer channel (dsml.testing injects faults with it)
-        self.wrap_channel: Callable[[str, Channel], Channel] | None = None
+        #: wraps each new peer channel (dsml.testing injects faults with it: `inject`)
+        self._wrap: Callable[[str, Channel], Channel] | None = None
         #: whether the data link to a peer (by member id) is cut (dsml.testing injects
         #: partitions with it); the same-host shared-memory path honours it as well
         self.cut: Callable[[str], bool] | None = None
-        #: called with a peer's member id when its connection dropped without a goodbye
-        self.on_peer_lost: Callable[[str], None] | None = None
-        #: whether a peer said goodbye (a dropped connection then is no loss)
-        self.said_goodbye: Callable[[int], bool] = lambda _rank: False
-        #: told about a bug met while handling a message (the communicator fails)
-        self.on_bug: Callable[[BaseException], None] = lambda _exc: None
-        #: handles the messages of the membership protocol between peers (PEER_BEAT is
-        #: handled here: only its arrival matters)
-        self.on_membership: Callable[[int, Envelope], None] = lambda _rank, _env: None
+        #: what the links tell the communicator (`listen`); None: nothing, or closed
+        self._events: LinkEvents | None = None
         self.watch = PeerWatch(interval=1.0, timeout=10.0)
         self.warnings = Throttle(_WARN_EVERY_S)
         self._hold: FutureHold[tuple[bytes, Envelope, list[memoryview]]] = FutureHold()
@@ -155,32 +165,43 @@ class PeerLinks:
                 on_disconnect=functools.partial(self._disconnected, member_id),
                 curve=self.config.curve,
             )
-            if self.wrap_channel is not None:
-                channel = self.wrap_channel(member_id, channel)
+            if self._wrap is not None:
+                channel = self._wrap(member_id, channel)
             self._by_member[member_id] = channel
         return channel
 
-    def rewrap(self) -> None:
-        """Apply `wrap_channel` to the channels already open."""
-        assert self.wrap_channel is not None
+    def listen(self, events: LinkEvents) -> None:
+        """Tell `events` (the root communicator's lifecycle) what happens on the links."""
+        self._events = events
+
+    def inject(
+        self, wrap: Callable[[str, Channel], Channel] | None, cut: Callable[[str], bool] | None
+    ) -> None:
+        """Send through `wrap(member_id, channel)` from now on, the channels already open
+        included, and cut the links `cut` names (`dsml.testing` injects faults so). With
+        `wrap` None, channels opened later are not wrapped (those open stay as they are)."""
         assert self.view is not None
+        self._wrap, self.cut = wrap, cut
+        if wrap is None:
+            return
         for member_id in self._by_member:
-            self._by_member[member_id] = self.wrap_channel(member_id, self._by_member[member_id])
+            self._by_member[member_id] = wrap(member_id, self._by_member[member_id])
         for peer, member in enumerate(self.view.members):
             if peer != self.rank:
                 self._channels[peer] = self._by_member[member.id]
 
     def _disconnected(self, member_id: str) -> None:
         """A peer's connection dropped: after a moment for its goodbye, report it lost."""
-        if self.on_peer_lost is None:
+        if self._events is None:
             return
 
         def check() -> None:
             rank = self.view.rank_of(member_id) if self.view is not None else None
-            if rank is None or self.said_goodbye(rank) or self.on_peer_lost is None:
-                return  # it left properly, or is no longer a peer
+            events = self._events
+            if rank is None or events is None or events.said_goodbye(rank):
+                return  # it left properly, is no longer a peer, or we closed
             self.counters["disconnects"] += 1
-            self.on_peer_lost(member_id)
+            events.peer_lost(member_id)
 
         asyncio.get_running_loop().call_later(_GOODBYE_GRACE_S, check)
 
@@ -267,8 +288,8 @@ class PeerLinks:
         if env.src != rank:
             raise ProtocolError(f"rank {rank} claims to be rank {env.src}")
         if env.kind in _MEMBERSHIP_KINDS:
-            if env.kind is Kind.VIEW_PROPOSAL:
-                self.on_membership(rank, env)
+            if env.kind is Kind.VIEW_PROPOSAL and self._events is not None:
+                self._events.membership(rank, env)
             return
         handler = self._inbound.get(env.kind)
         if handler is None:
@@ -279,7 +300,8 @@ class PeerLinks:
             raise  # the sender's fault: the endpoint drops the message and counts it
         except Exception as exc:  # our bug: fail the communicator, keep the reader alive
             log.error("handling a %s message failed", env.kind.name, exc_info=exc)
-            self.on_bug(exc)
+            if self._events is not None:
+                self._events.bug(exc)
 
     def _hold_early(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
         """A message of a view not installed yet: held if its sender may send one."""
@@ -334,7 +356,7 @@ class PeerLinks:
     async def crash(self) -> None:
         """Close every socket at once, sending nothing (tests: a process killed)."""
         self.crashed = True
-        self.on_peer_lost = None
+        self._events = None
         await self._close_sockets(linger_s=0.0)
         self.view = None
 
@@ -348,7 +370,7 @@ class PeerLinks:
 
     async def aclose(self) -> None:
         """Close every socket (the communicator has flushed the background sends)."""
-        self.on_peer_lost = None
+        self._events = None
         await self._close_sockets(linger_s=1.0)
 
     async def _close_sockets(self, linger_s: float) -> None:

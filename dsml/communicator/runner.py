@@ -37,7 +37,7 @@ from .progress import ProgressLog
 from .runner_calls import RunnerCalls
 from .stats import CallStats
 from .tasks import TaskOwner
-from .view_changes import ViewChanges
+from .view_changes import Views
 
 __all__ = ["Deadlines", "Runner"]
 
@@ -50,7 +50,7 @@ class Runner(RunnerCalls):
     def __init__(
         self,
         table: CallTable,
-        views: ViewChanges,
+        views: Views,
         planner: Planner,
         tasks: TaskOwner,
         config: CommConfig,

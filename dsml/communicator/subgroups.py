@@ -23,7 +23,7 @@ order concurrent splits of different sub-communicators run in.
 
 A sub-communicator lives in its root's epoch. A failure of the root's calls (a member
 lost, this rank evicted) fails the sub-groups' calls too, nested ones included
-(`CallTable.children`): a member's death fails all of them. Once the root has moved to a
+(`CallTable.adopt`): a member's death fails all of them. Once the root has moved to a
 new view, a sub-communicator of the old one refuses calls with `MembershipChangedError`:
 split again.
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, DsmlError, MembershipChangedError, ProtocolError
 from ..membership import View
@@ -44,7 +44,7 @@ from .plan_base import as_int
 from .tasks import TaskOwner
 
 if TYPE_CHECKING:
-    from .view_changes import ViewChanges
+    from .view_base import ViewListener
 
 __all__ = [
     "GROUP_SHIFT",
@@ -246,7 +246,7 @@ class SubViews:
         self.links = links
         self._parent_epoch = parent_epoch
         self._broken = broken  # the root's `sub_group_error`: its epoch lost members
-        self.listeners: list[Any] = []
+        self.listeners: list[ViewListener] = []
         self.installed = 1
         self.evicted = False
         self.interrupt_on_join = False
@@ -283,10 +283,6 @@ class SubViews:
 
     async def wait_known(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
         raise ConfigError("a sub-communicator has no views of its own: wait on its parent")
-
-    def as_view_changes(self) -> ViewChanges:
-        """This object where the runner expects the parent's kind (same methods used)."""
-        return cast("ViewChanges", self)
 
 
 def check_split_args(color: object, key: object) -> bool:

@@ -68,9 +68,6 @@ class Survival:
         self._epoch = 0
         self._task: asyncio.Task[None] | None = None
         self.stopped = False
-        links.on_membership = self.handle_message
-        views.survival = self
-        views.on_announced = links.announce
 
     def start(self) -> None:
         self._task = self.tasks.spawn(self._run())

@@ -5,7 +5,8 @@ calls waiting for a change of view) is spawned here. The owner outlives them all
 `aclose` waits for them (then cancels what is left and waits again), so nothing runs after
 the communicator is closed. A task that ends with an exception nobody expected (a bug, not
 a collective's own error, which its caller receives) is logged with its traceback and
-reported to `on_crash`, which fails the communicator instead of leaving a silent hang.
+reported to the function `report_crashes` names, which fails the communicator instead of
+leaving a silent hang.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class TaskOwner:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: told about a watched task's unexpected exception (the communicator fails)
-        self.on_crash: Callable[[BaseException], None] = lambda _exc: None
+        self._on_crash: Callable[[BaseException], None] = lambda _exc: None
         self.closed = False
 
     def spawn(self, coro: Coroutine[Any, Any, T], *, watched: bool = True) -> asyncio.Task[T]:
@@ -50,7 +51,11 @@ class TaskOwner:
         error = task.exception()
         if error is not None:
             log.error("a background task of the communicator failed", exc_info=error)
-            self.on_crash(error)
+            self._on_crash(error)
+
+    def report_crashes(self, to: Callable[[BaseException], None]) -> None:
+        """Tell `to` (the root communicator's `RootLife.fail`) of a watched task's bug."""
+        self._on_crash = to
 
     def __len__(self) -> int:
         return len(self._tasks)

@@ -66,10 +66,8 @@ class ViewBase:
         self._broken: _Broken | None = None
         self._evicted: str | None = None
         self._no_quorum: NoQuorumError | None = None  # lost without registry and majority
-        #: decides losses while the registry is away (set by `Survival`)
+        #: decides losses while the registry is away (`use_survival`)
         self.survival: Survival | None = None
-        #: told of every newer view known (its members' early messages may be held)
-        self.on_announced: Callable[[View], None] = lambda _view: None
         self._changed = asyncio.Event()
         #: (event, state before, state after) of the latest events, oldest first
         self.history: deque[tuple[str, ViewState, ViewState]] = deque(maxlen=64)

@@ -34,7 +34,9 @@ installing views). `ViewChanges` puts them together.
 
 from __future__ import annotations
 
-from ..membership import RegistryClient
+from typing import TYPE_CHECKING, Protocol
+
+from ..membership import RegistryClient, View
 from .call_table import CallTable
 from .links import PeerLinks
 from .view_admission import ViewAdmission
@@ -42,7 +44,44 @@ from .view_base import ViewListener
 from .view_events import ViewEvents
 from .view_states import TRANSITIONS, ViewState
 
-__all__ = ["TRANSITIONS", "ViewChanges", "ViewListener", "ViewState"]
+if TYPE_CHECKING:
+    from .survival import Survival
+
+__all__ = ["TRANSITIONS", "ViewChanges", "ViewListener", "ViewState", "Views"]
+
+
+class Views(Protocol):
+    """What a communicator's calls ask about views: `ViewChanges` on the root, `SubViews`
+    (subgroups.py) on a sub-group, whose view is fixed."""
+
+    listeners: list[ViewListener]
+    installed: int
+    interrupt_on_join: bool
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the registry declared this rank dead (a sub-group: never)."""
+        ...
+
+    def immediate(self) -> bool:
+        """Whether a call may start now, without waiting its turn (`admit`)."""
+        ...
+
+    async def admit(self) -> None:
+        """Wait until a call may start in the current view (or raise why it cannot)."""
+        ...
+
+    def ensure_current(self) -> None:
+        """Raise the error a call started now fails with, if any."""
+        ...
+
+    def next_view(self) -> View:
+        """The view the next call runs in."""
+        ...
+
+    async def wait_known(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
+        """Wait for a view newer than the current one."""
+        ...
 
 
 class ViewChanges(ViewEvents, ViewAdmission):
@@ -52,5 +91,8 @@ class ViewChanges(ViewEvents, ViewAdmission):
         self, table: CallTable, links: PeerLinks, registry: RegistryClient, view_timeout: float
     ) -> None:
         super().__init__(table, links, registry, view_timeout)
-        links.on_peer_lost = self.peer_disconnected
-        table.on_peer_left = self.peer_left
+        table.report_departures(self.peer_left)
+
+    def use_survival(self, survival: Survival) -> None:
+        """Decide losses with `survival` while the registry is away (the root's)."""
+        self.survival = survival

@@ -47,7 +47,7 @@ class ViewEvents(ViewBase):
             return
         self.latest = view
         self._no_quorum = None  # a newer view rules
-        self.on_announced(view)
+        self.links.announce(view)  # its members' early messages may be held now
         self._gate = None
         if change.boundary is not None and change.previous == self._base()[0]:
             self._transitions.append((change.boundary, view))

@@ -177,6 +177,11 @@ class OpHandle(Generic[T]):
         """Return True if the op was cancelled (before or while it ran)."""
         return self._status is Status.CANCELLED
 
+    def cancel_through(self, hook: Callable[[], bool]) -> None:
+        """Cancel this op by calling `hook` while it is open (see `cancel`): whoever
+        pushed it (a collective pushed through the communicator) cancels it there."""
+        self._cancel_hook = hook
+
     def cancel(self) -> bool:
         """Ask to cancel the op; return False when that is no longer possible.
 

@@ -56,6 +56,11 @@ class Var:
         #: `comm.var` keeps the ranks' collective turns in step with it
         self._watch: VarWatch | None = None
 
+    def set_watch(self, watch: VarWatch) -> None:
+        """Tell `watch` of every op that mutates this var, as it starts and ends
+        (`comm.var` keeps the ranks' collective turns in step so)."""
+        self._watch = watch
+
     @property
     def engine_name(self) -> str:
         """Name of the engine that created this var."""

@@ -128,15 +128,13 @@ class FaultyChannel:
 def inject(comm: Communicator, faults: Faults) -> Faults:
     """Send `comm`'s peer messages through `faults` from now on; returns it."""
     faults._comm = comm
-    links = comm._links
+    links = comm._session.links
 
     def wrap(member_id: str, channel: Channel) -> Channel:
         inner = channel.inner if isinstance(channel, FaultyChannel) else channel
         return FaultyChannel(member_id, inner, faults)  # type: ignore[return-value]
 
-    links.wrap_channel = wrap
-    links.cut = faults.cuts
-    links.rewrap()
+    links.inject(wrap, faults.cuts)
     return faults
 
 

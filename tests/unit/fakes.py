@@ -29,7 +29,7 @@ class FakeLinks:
         self.rank = -1
         self.counters: Counter[str] = Counter()
         self.sent: list[tuple[int | None, Envelope]] = []
-        self.on_peer_lost: Any = None
+        self.announced: list[View] = []
 
     @property
     def epoch(self) -> int:
@@ -43,6 +43,9 @@ class FakeLinks:
         rank = view.rank_of(self.member_id)
         assert rank is not None
         self.view, self.rank = view, rank
+
+    def announce(self, view: View) -> None:
+        self.announced.append(view)
 
     def send_control(self, env: Envelope, peers: Any = None) -> None:
         self.sent.append((None, env))

@@ -26,7 +26,7 @@ async def test_closing_waits_for_running_tasks_then_cancels_the_rest():
 async def test_an_unexpected_error_in_a_watched_task_is_reported_once(caplog):
     owner = TaskOwner()
     seen: list[BaseException] = []
-    owner.on_crash = seen.append
+    owner.report_crashes(seen.append)
 
     async def bug():
         raise RuntimeError("a bug")
