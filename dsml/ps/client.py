@@ -149,13 +149,26 @@ class _Link:
         return rank
 
     async def _exchange(self, request: _Outstanding) -> Reply:
-        """Send the request and wait for its reply, again in each new view."""
+        """Send the request and wait for its reply, again in each new view.
+
+        A rank is looked up right before each call, from the view that call runs in; a
+        view that changed while the send was under way means the message may be lost
+        with the old view, so it goes again (the server applies its pushes once).
+        """
         attempt = 0
         while True:
-            rank = self._rank()
             try:
-                await self._comm.send(request.buf, rank, tag=REQUEST_TAG, timeout=self._timeout_s)
-                buf = await self._comm.recv(rank, tag=REPLY_TAG, timeout=self._timeout_s)
+                epoch = self._comm.view.epoch
+                await self._comm.send(
+                    request.buf, self._rank(), tag=REQUEST_TAG, timeout=self._timeout_s
+                )
+                while self._comm.view.epoch == epoch:
+                    buf = await self._comm.recv(
+                        self._rank(), tag=REPLY_TAG, timeout=self._timeout_s
+                    )
+                    reply = decode_reply(buf, self._layout)
+                    if reply.seq >= request.seq:  # below: a duplicate answer to a resent request
+                        return self._checked(reply, request)
             except (MemberLeftError, CollectiveAbortedError) as exc:
                 raise ServerLostError(
                     f"parameter server {self.server} left before answering: {exc}",
@@ -163,17 +176,15 @@ class _Link:
                 ) from exc
             except MembershipChangedError as exc:
                 await wait_next_view(self._comm, exc, self._timeout_s)
-                await retry_pause(attempt)
-                attempt += 1
-                continue
-            reply = decode_reply(buf, self._layout)
-            if reply.error is not None:
-                raise PSError(f"parameter server {self.server} refused a request: {reply.error}")
-            if reply.seq != request.seq:
-                raise ProtocolError(
-                    f"server {self.server} answered #{reply.seq}, not #{request.seq}"
-                )
-            return reply
+            await retry_pause(attempt)
+            attempt += 1
+
+    def _checked(self, reply: Reply, request: _Outstanding) -> Reply:
+        if reply.error is not None:
+            raise PSError(f"parameter server {self.server} refused a request: {reply.error}")
+        if reply.seq != request.seq:
+            raise ProtocolError(f"server {self.server} answered #{reply.seq}, not #{request.seq}")
+        return reply
 
 
 class Client:
