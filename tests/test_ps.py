@@ -7,12 +7,26 @@ runs as real processes under `dsml run`.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import dsml.ps as ps
+from dsml.errors import ConfigError, ProtocolError
+from dsml.ps.messages import (
+    DONE,
+    STEP,
+    Request,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
 from dsml.testing import crash, open_local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,3 +195,188 @@ async def train_worker_until(
         for key, g in gradient(params, x[mine], y[mine], len(batch)).items():
             node.push(key, g)
         await asyncio.gather(*(node.pull(k, v) for k, v in params.items()))
+
+
+# -- the example, as real processes under `dsml run` --------------------------------------
+
+
+def run_example(consistency: str, *extra: str) -> float:
+    script = ["examples/parameter_server.py", "--quick", "--servers", "1"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsml",
+            "run",
+            "-n",
+            "3",
+            *script,
+            "--consistency",
+            consistency,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        cwd=ROOT,
+        env={**os.environ, "DSML_DATA_DIR": "/nonexistent"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    found = re.fullmatch(r"\[rank 0\] accuracy: (0\.\d{4})", lines[-1])
+    assert found, proc.stdout
+    assert sum("accuracy:" in line for line in lines) == 1
+    return float(found[1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_the_example_trains_mnist_under_bsp_and_async_to_the_same_accuracy():
+    bsp = run_example("bsp")
+    stale = run_example("async")
+    print(f"MNIST quick, 2 workers + 1 server: bsp {bsp:.4f}, async {stale:.4f}")
+    assert bsp > 0.85  # seeded: 0.8900 here
+    assert abs(stale - bsp) <= 0.01
+
+
+# -- units: sharding, optimizers, messages, the server's rules ----------------------------
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3, 4, 7])
+def test_shard_covers_every_element_once_and_balances_by_size(servers):
+    specs = [
+        ps.KeySpec("big", (784, 128), np.dtype(np.float32)),
+        ps.KeySpec("mid", (128, 64), np.dtype(np.float32)),
+        ps.KeySpec("small", (10,), np.dtype(np.float64)),
+        ps.KeySpec("empty", (0,), np.dtype(np.float32)),
+    ]
+    layout = ps.shard(specs, servers)
+    for spec in specs:
+        covered = np.zeros(spec.size, int)
+        for piece in layout.pieces_of(spec.name):
+            covered[piece.lo : piece.hi] += 1
+        assert (covered == 1).all()
+    loads = layout.load_bytes()
+    biggest = max(p.nbytes for p in layout.pieces)
+    assert max(loads) <= sum(loads) / servers + biggest  # the LPT bound
+    assert layout == ps.shard(specs, servers)  # the same on every rank
+    with pytest.raises(ConfigError, match="no parameter named 'nope'"):
+        layout.pieces_of("nope")
+
+
+def test_a_large_key_is_spread_over_the_servers():
+    layout = ps.shard([ps.KeySpec("w", (1000, 100), np.dtype(np.float32))], 4)
+    assert layout.load_bytes() == [100_000] * 4
+
+
+def test_sgd_and_momentum_match_their_formulas():
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(6).astype(np.float32) for _ in range(3)]
+    p, state = np.ones(6, np.float32), {}
+    for step, g in enumerate(grads, 1):
+        ps.SGD(0.1).apply(p, g, state, step)
+    assert np.array_equal(
+        p, np.ones(6, np.float32) - 0.1 * grads[0] - 0.1 * grads[1] - 0.1 * grads[2]
+    )
+    opt = ps.Momentum(0.1, 0.9)
+    p, state = np.zeros(6), opt.init_state(np.zeros(6))
+    v, ref = np.zeros(6), np.zeros(6)
+    for step, g in enumerate(grads, 1):
+        opt.apply(p, g.astype(np.float64), state, step)
+        v = 0.9 * v + g
+        ref -= 0.1 * v
+    np.testing.assert_allclose(p, ref, rtol=1e-12)
+
+
+def test_adam_matches_its_formula():
+    opt = ps.Adam(0.01)
+    g = np.array([0.5, -2.0, 1e-3])
+    p, state = np.zeros(3), opt.init_state(np.zeros(3))
+    m, v, ref = np.zeros(3), np.zeros(3), np.zeros(3)
+    for step in range(1, 4):
+        opt.apply(p, g * step, state, step)
+        m = 0.9 * m + 0.1 * g * step
+        v = 0.999 * v + 0.001 * (g * step) ** 2
+        ref -= 0.01 * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+    np.testing.assert_allclose(p, ref, rtol=1e-12)
+    with pytest.raises(ConfigError):
+        ps.Adam(beta1=1.0)
+
+
+def test_messages_round_trip_and_reject_what_does_not_fit():
+    layout = ps.shard(
+        [ps.KeySpec("a", (5,), np.dtype(np.float32)), ps.KeySpec("b", (3,), np.dtype(np.float64))],
+        1,
+    )
+    a, b = layout.pieces
+    grad = np.arange(5, dtype=np.float32)
+    request = decode_request(encode_request(STEP, 7, [(a, grad)], [a, b]), layout, 0)
+    assert (request.kind, request.seq, request.pull) == (STEP, 7, (a, b))
+    assert np.array_equal(request.push[0][1], grad)
+    reply = decode_reply(encode_reply(7, [(b, np.ones(3))]), layout)
+    assert reply.seq == 7
+    assert np.array_equal(reply.values[0][1], np.ones(3))
+    good = encode_request(DONE, 1, [(a, grad)], [])
+    with pytest.raises(ProtocolError, match=r"shorter|longer|malformed"):
+        decode_request(good[:-8], layout, 0)
+    with pytest.raises(ProtocolError, match="another server"):
+        decode_request(good, layout, 1)
+    with pytest.raises(ProtocolError, match="magic"):
+        decode_request(np.zeros(64, np.uint8), layout, 0)
+
+
+def step_request(seq: int, piece: ps.Piece, grad: float, pull: bool = True) -> Request:
+    return Request(STEP, seq, ((piece, np.array([grad])),), (piece,) if pull else ())
+
+
+def one_piece_state(consistency: str, staleness: int = 0, workers: int = 2) -> ps.ShardState:
+    layout = ps.shard([ps.KeySpec("x", (1,), np.dtype(np.float64))], 1)
+    return ps.ShardState(
+        layout, 0, {"x": np.zeros(1)}, ps.SGD(1.0), range(workers), consistency, staleness
+    )
+
+
+def test_bsp_answers_a_pull_only_when_every_worker_pushed_the_step():
+    state = one_piece_state("bsp")
+    piece = next(iter(state.pieces))
+    p = ps.shard([ps.KeySpec("x", (1,), np.dtype(np.float64))], 1).pieces[piece]
+    assert state.handle(0, step_request(1, p, 1.0)) == []  # worker 1 has not pushed
+    ready = state.handle(1, step_request(1, p, 2.0))
+    assert sorted(o.worker for o in ready) == [0, 1]
+    assert all(o.values[0][1][0] == -3.0 for o in ready)  # one step of the sum
+    assert state.handle(0, step_request(1, p, 5.0)) != []  # a re-sent request: not applied again
+    assert state.pieces[piece].value[0] == -3.0
+
+
+def test_a_lost_worker_no_longer_holds_a_bsp_step_back():
+    state = one_piece_state("bsp", workers=3)
+    p = ps.shard([ps.KeySpec("x", (1,), np.dtype(np.float64))], 1).pieces[0]
+    assert state.handle(0, step_request(1, p, 1.0)) == []
+    assert state.handle(1, step_request(1, p, 2.0)) == []  # worker 2 has not pushed
+    ready = state.drop(2)
+    assert sorted(o.worker for o in ready) == [0, 1]
+    assert state.pieces[0].value[0] == -3.0
+
+
+def test_ssp_lets_a_worker_run_at_most_s_steps_ahead():
+    state = one_piece_state("ssp", staleness=2)
+    p = ps.shard([ps.KeySpec("x", (1,), np.dtype(np.float64))], 1).pieces[0]
+    answered = [bool(state.handle(0, step_request(seq, p, 1.0))) for seq in range(1, 5)]
+    assert answered == [True, True, False, False]  # clocks 1, 2 within 2 of worker 1's 0
+    assert [o.seq for o in state.handle(1, step_request(1, p, 1.0))] == [3, 1]
+    assert state.max_lead <= 2
+
+
+def test_async_applies_each_push_on_arrival():
+    state = one_piece_state("async")
+    p = ps.shard([ps.KeySpec("x", (1,), np.dtype(np.float64))], 1).pieces[0]
+    for seq in range(1, 4):
+        assert state.handle(0, step_request(seq, p, 1.0))
+    assert state.pieces[0].value[0] == -3.0
+
+
+def test_config_refuses_what_it_cannot_do():
+    with pytest.raises(ConfigError, match="consistency"):
+        ps.PSConfig(consistency="eventual")
+    with pytest.raises(ConfigError, match="staleness"):
+        ps.PSConfig(consistency="bsp", staleness=2)

@@ -52,6 +52,7 @@ class _Pull:
     seq: int
     kind: int
     pieces: tuple[Piece, ...]
+    clocks: tuple[int, ...]  # the worker's clock for each piece when it asked
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class ShardState:
                 self.live.discard(worker)
                 self.done.add(worker)
                 self._apply_ready_steps()
-        self.waiting.append(_Pull(worker, request.seq, request.kind, request.pull))
+        clocks = tuple(self.clocks[worker][p.index] for p in request.pull)
+        self.waiting.append(_Pull(worker, request.seq, request.kind, request.pull, clocks))
         return self._ready()
 
     def drop(self, worker: int) -> list[Outgoing]:
@@ -168,8 +170,7 @@ class ShardState:
     def _can_answer(self, pull: _Pull) -> bool:
         if pull.kind == DONE:
             return not self.live
-        for piece in pull.pieces:
-            clock = self.clocks[pull.worker][piece.index]
+        for piece, clock in zip(pull.pieces, pull.clocks, strict=True):
             if self.consistency == "bsp" and self.pieces[piece.index].applied < clock:
                 return False
             slowest = self._slowest(piece.index)
@@ -194,10 +195,10 @@ class ShardState:
         return out
 
     def _note_lead(self, pull: _Pull) -> None:
-        for piece in pull.pieces:
+        for piece, clock in zip(pull.pieces, pull.clocks, strict=True):
             slowest = self._slowest(piece.index)
             if slowest is not None:
-                lead = self.clocks[pull.worker][piece.index] - slowest
+                lead = clock - slowest
                 self.max_lead = max(self.max_lead, lead)
 
     def __repr__(self) -> str:
