@@ -380,3 +380,60 @@ def test_config_refuses_what_it_cannot_do():
         ps.PSConfig(consistency="eventual")
     with pytest.raises(ConfigError, match="staleness"):
         ps.PSConfig(consistency="bsp", staleness=2)
+
+
+# -- faults: BSP re-forms over the survivors; a lost server is a typed error ----------------
+
+
+@pytest.mark.timeout(40)
+async def test_bsp_steps_re_form_over_the_survivors_when_a_worker_dies(seed):
+    x, y = make_data(seed)
+    config = ps.PSConfig(servers=1, consistency="bsp", optimizer=ps.SGD(0.5))
+    plan = batches(len(y), 30, 20)
+
+    async def rank(comm):
+        async with ps.open_ps(comm, initial_params(seed), config) as node:
+            if node.is_server:
+                await node.serve()
+                return node.stats()
+            if node.index == 2:
+                await train_worker_until(node, x, y, plan[:4])
+                await crash(comm)
+                return None
+            return await train_worker(node, x, y, plan)
+
+    async with open_local_cluster(4) as cluster:  # workers 0, 1, 2; server 3
+        results = await cluster.run(rank)
+    assert all(np.array_equal(results[0][k], results[1][k]) for k in results[0])
+    server = results[3]
+    assert server["lost"] == [2]
+    assert set(server["updates"].values()) == {20}  # one update per step, none twice
+    assert accuracy(results[0], x, y) > 0.8
+
+
+@pytest.mark.timeout(40)
+async def test_a_lost_server_fails_the_workers_calls_with_a_typed_error(seed):
+    config = ps.PSConfig(servers=1, consistency="async")
+    params = initial_params(seed)
+
+    async def rank(comm):
+        async with ps.open_ps(comm, params, config) as node:
+            if node.is_server:
+                await crash(comm)
+                return None
+            out = np.zeros_like(params["w"])
+            with pytest.raises(ps.ServerLostError) as caught:
+                await push_and_pull_forever(node, out)  # fails once the loss is seen
+            with pytest.raises(ps.ServerLostError):
+                await node.pull("w", out)  # and every later call, at once
+            return caught.value.server
+
+    async with open_local_cluster(3) as cluster:
+        results = await cluster.run(rank)
+    assert results[:2] == [0, 0]
+
+
+async def push_and_pull_forever(node: ps.ParameterServers, out: np.ndarray) -> None:
+    while True:
+        node.push("w", np.ones_like(out))
+        await node.pull("w", out)

@@ -38,10 +38,15 @@ log = logging.getLogger("dsml.ps")
 
 
 class PSHandle:
-    """The outcome of one push or pull: `await handle`, `done()`, `exception()`."""
+    """The outcome of one push or pull: `await handle`, `done()`, `exception()`.
+
+    A push need not be awaited: if it fails, so does every later call to that server,
+    with the same error, so nothing is lost by not looking (asyncio is not asked to warn).
+    """
 
     def __init__(self, future: asyncio.Future[None], what: str, parts: int) -> None:
         self._future, self.what, self._left = future, what, parts
+        future.add_done_callback(_seen)
         if parts == 0:
             future.set_result(None)
 
@@ -66,6 +71,11 @@ class PSHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else f"{self._left} parts left"
         return f"<PSHandle {self.what}: {state}>"
+
+
+def _seen(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: see PSHandle
 
 
 @dataclass
