@@ -439,3 +439,34 @@ async def push_and_pull_forever(node: ps.ParameterServers, out: np.ndarray) -> N
     while True:
         node.push("w", np.ones_like(out))
         await node.pull("w", out)
+
+
+@pytest.mark.timeout(30)
+async def test_a_push_goes_through_the_engine_after_the_op_that_writes_the_gradient(seed):
+    params = initial_params(seed)
+    config = ps.PSConfig(servers=1, consistency="bsp", optimizer=ps.SGD(1.0))
+
+    async def rank(comm):
+        async with ps.open_ps(comm, params, config) as node:
+            if node.is_server:
+                await node.serve()
+                return None
+            grad = np.zeros_like(params["b"])
+            grad_var = comm.engine.new_var("grad")
+
+            def backward() -> None:  # runs in the engine's thread pool
+                grad[:] = 1.0
+
+            async def push() -> None:
+                await node.push("b", grad)
+
+            comm.engine.push(backward, read=[], mutate=[grad_var])
+            comm.engine.push(push, read=[grad_var], mutate=[])
+            await comm.engine.wait_all()
+            final = {"b": np.zeros_like(params["b"])}
+            await node.finish(pull=final)
+            return final["b"]
+
+    async with open_local_cluster(2) as cluster:
+        results = await cluster.run(rank)
+    assert np.array_equal(results[0], params["b"] - 1.0)
