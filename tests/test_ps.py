@@ -197,7 +197,10 @@ async def train_worker_until(
         await asyncio.gather(*(node.pull(k, v) for k, v in params.items()))
 
 
-# -- the example, as real processes under `dsml run` --------------------------------------
+# -- the example, as real processes ---------------------------------------------------------
+
+# 4 ranks on 2 cores: BLAS threads of each would fight over them (43 s an epoch, not 1 s)
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def run_example(consistency: str, *extra: str) -> float:
@@ -219,7 +222,7 @@ def run_example(consistency: str, *extra: str) -> float:
         text=True,
         timeout=80,
         cwd=ROOT,
-        env={**os.environ, "DSML_DATA_DIR": "/nonexistent"},
+        env={**os.environ, "DSML_DATA_DIR": "/nonexistent", **ONE_THREAD},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -470,3 +473,53 @@ async def test_a_push_goes_through_the_engine_after_the_op_that_writes_the_gradi
     async with open_local_cluster(2) as cluster:
         results = await cluster.run(rank)
     assert np.array_equal(results[0], params["b"] - 1.0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_kill_9_of_a_worker_process_under_async_lets_the_others_finish(tmp_path):
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "dsml", "registry", "--address", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
+    ranks: list[subprocess.Popen[str]] = []
+    try:
+        assert registry.stdout is not None
+        address = registry.stdout.readline().split()[4]
+        script = ["examples/parameter_server.py", "--quick", "--consistency", "async"]
+        for rank in range(4):  # workers 0, 1, 2; server 3
+            env = {**os.environ, "DSML_REGISTRY": address, "DSML_WORLD_SIZE": "4"}
+            env.update(DSML_RANK=str(rank), DSML_DATA_DIR="/nonexistent", **ONE_THREAD)
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, *script],
+                    stdout=subprocess.PIPE,
+                    stderr=(tmp_path / f"rank{rank}.err").open("w"),
+                    text=True,
+                    cwd=ROOT,
+                    env=env,
+                )
+            )
+        assert ranks[0].stdout is not None
+        seen = []
+        for line in ranks[0].stdout:  # rank 0 is half way: kill worker 1
+            seen.append(line)
+            if line.startswith("epoch 1/"):
+                break
+        ranks[1].kill()
+        out, _ = ranks[0].communicate(timeout=60)
+        lines = [*seen, *out.splitlines()]
+        logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
+        for proc in (ranks[0], ranks[2], ranks[3]):
+            assert proc.wait(timeout=30) == 0, logs
+        found = re.fullmatch(r"accuracy: (0\.\d{4})", lines[-1].strip())
+        assert found, lines
+        assert float(found[1]) > 0.8
+    finally:
+        for proc in [*ranks, registry]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
