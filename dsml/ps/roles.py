@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass
 
 from ..communicator import Communicator
-from ..errors import ConfigError, MembershipChangedError
+from ..errors import ConfigError, EvictedError, MembershipChangedError
 from ..membership import View
 
 __all__ = ["Roles", "wait_next_view"]
@@ -48,7 +48,12 @@ class Roles:
 async def wait_next_view(
     comm: Communicator, failed: MembershipChangedError, timeout_s: float
 ) -> View:
-    """After a call failed with `failed`, wait until this rank knows a newer view."""
+    """After a call failed with `failed`, wait until this rank knows a newer view.
+
+    An evicted rank has no view to wait for: its error is raised again at once.
+    """
+    if isinstance(failed, EvictedError):
+        raise failed
     epoch = failed.epoch if failed.epoch is not None else comm.view.epoch
     pause = _RETRY_S[0]
     async with asyncio.timeout(timeout_s):
