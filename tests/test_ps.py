@@ -523,3 +523,51 @@ def test_kill_9_of_a_worker_process_under_async_lets_the_others_finish(tmp_path)
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+@pytest.mark.timeout(30)
+async def test_bsp_trains_the_mnist_mlp_as_the_summed_gradients_do_bit_for_bit(seed):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import parameter_server as example
+    from mnist.mlp import MLP
+
+    rng = np.random.default_rng(seed)
+    images = rng.random((120, 784), dtype=np.float32)
+    labels = rng.integers(0, 10, 120)
+    plan = batches(len(labels), 40, 6)
+    config = ps.PSConfig(servers=2, consistency="bsp", optimizer=ps.SGD(0.1))
+
+    async def rank(comm):
+        model = MLP(seed=seed)
+        async with ps.open_ps(comm, example.tensors(model), config) as node:
+            if node.is_server:
+                await node.serve()
+                return None
+            for batch in plan:
+                mine = np.array_split(batch, node.num_workers)[node.index]
+                model.loss_and_grad(images[mine], labels[mine], normalizer=len(batch))
+                for key, grad in example.tensors(model, grads=True).items():
+                    node.push(key, grad)
+                await example.pull_all(node, model)
+            await node.finish()
+            return model.params.copy()
+
+    async with open_local_cluster(5) as cluster:  # workers 0, 1, 2; servers 3, 4
+        results = await cluster.run(rank)
+    summed, large = MLP(seed=seed), MLP(seed=seed)
+    for batch in plan:
+        parts = []
+        for part in np.array_split(batch, 3):
+            summed.loss_and_grad(images[part], labels[part], normalizer=len(batch))
+            parts.append(summed.grads.copy())
+        total = parts[0]
+        for grad in parts[1:]:  # in worker order, as the servers add them
+            total += grad
+        summed.params -= np.float32(0.1) * total
+        large.loss_and_grad(images[batch], labels[batch], normalizer=len(batch))
+        large.sgd_step(0.1)
+    for params in results[:3]:
+        assert np.array_equal(params, summed.params)
+    diff = float(np.abs(results[0] - large.params).max())
+    print(f"float32 MLP: max |BSP - large batch| = {diff:.3g}")
+    assert diff < 1e-5  # float32 sums in another order
