@@ -28,6 +28,7 @@ API_MODULES = (
     ("dsml.elastic", "Elastic training"),
     ("dsml.blocking", "Blocking API"),
     ("dsml.torch", "torch.distributed backend"),
+    ("dsml.ps", "Parameter servers"),
     ("dsml.log", "Logging"),
     ("dsml.testing", "Testing helpers"),
 )

@@ -1,0 +1,21 @@
+"""Errors of the parameter servers (parameter-server layer), under `dsml.DsmlError`."""
+
+from __future__ import annotations
+
+from ..errors import DsmlError
+
+__all__ = ["PSError", "ServerLostError"]
+
+
+class PSError(DsmlError):
+    """A parameter-server call failed; the message says why and what to do."""
+
+
+class ServerLostError(PSError):
+    """A server died or left before answering; `server` is its index. Its shard is gone
+    (servers are not replicated): the pending and later calls of every worker fail with
+    this error, once each, instead of waiting."""
+
+    def __init__(self, message: str, *, server: int) -> None:
+        super().__init__(message)
+        self.server = server
