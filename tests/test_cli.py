@@ -156,7 +156,7 @@ def test_run_binds_ranks_to_one_cpu_each_only_when_they_outnumber_the_cpus():
 
 
 def test_spread_gives_each_of_fewer_ranks_its_own_block_of_cpus(monkeypatch):
-    from dsml.cli import launcher
+    from dsml.launch import launcher
 
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
     assert launcher.cpu_sets(3, "spread") == [{0, 1}, {2, 3}, {4, 5}]

@@ -29,12 +29,12 @@ from typing import Any
 from ..collectives.devices import parse_device, resolve_device
 from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, DsmlError
+from ..launch.launcher import CPU_BIND, Launch
+from ..launch.nodes import NodeBoard, NodeLink, NodeShape, link_address
 from ..membership import Registry, open_registry, query_status
 from ..transport import Curve, check_address
 from ..transport.addresses import bracketed, format_tcp, is_local_address, resolve_host, split_tcp
 from .keys import add_curve_keys_option
-from .launcher import CPU_BIND, Launch
-from .nodes import NodeBoard, NodeLink, NodeShape, link_address
 
 log = logging.getLogger("dsml.run")
 

@@ -1,4 +1,4 @@
-"""The link between the launchers of one multi-node `dsml run` (cli layer).
+"""The link between the launchers of one multi-node `dsml run` (launch layer).
 
 `dsml run -n K --nnodes N --node-rank I --registry tcp://HOST:PORT` starts K ranks on each
 of N hosts. Node 0's launcher serves the group's registry at HOST:PORT and this link at

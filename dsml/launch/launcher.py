@@ -1,4 +1,4 @@
-"""Starting N rank processes and supervising them (cli layer).
+"""Starting N rank processes and supervising them (launch layer).
 
 Each rank is a process in its own session, so a terminal's Ctrl-C reaches the launcher
 only and is forwarded exactly once; a second Ctrl-C kills. Ranks of a Python script or

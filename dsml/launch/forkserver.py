@@ -1,4 +1,4 @@
-"""Starting ranks by forking one prepared interpreter (cli layer).
+"""Starting ranks by forking one prepared interpreter (launch layer).
 
 `dsml run` starts the ranks of a Python script (or `-m` module) from a *fork server*: one
 interpreter that imports numpy, pyzmq, msgpack and dsml once, then forks a child per
@@ -485,7 +485,7 @@ def _without_server_frames(tb: TracebackType | None) -> TracebackType | None:
 _SERVER_CODE = (
     "import sys\n"
     "if sys.path[:1] == ['']: sys.path[0] = sys.argv[2]\n"
-    "from dsml.cli.forkserver import main; main()"
+    "from dsml.launch.forkserver import main; main()"
 )
 
 
