@@ -30,7 +30,9 @@ from ..collectives.devices import parse_device, resolve_device
 from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, DsmlError
 from ..launch.launcher import CPU_BIND, Launch
-from ..launch.nodes import NodeBoard, NodeLink, NodeShape, link_address
+from ..launch.node_board import NodeBoard
+from ..launch.node_link import NodeLink
+from ..launch.nodes import NodeShape, link_address
 from ..membership import Registry, open_registry, query_status
 from ..transport import Curve, check_address
 from ..transport.addresses import bracketed, format_tcp, is_local_address, resolve_host, split_tcp
