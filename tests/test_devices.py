@@ -18,7 +18,7 @@ import pytest
 import dsml
 from dsml.collectives import backend_of
 from dsml.collectives.devices import DeviceSpec, is_cupy_array, parse_device, resolve_device
-from dsml.launch.launcher import rank_environment
+from dsml.launch.rank_setup import rank_environment
 from tests.gpu_fakes import FAKES
 
 ROOT = Path(__file__).resolve().parent.parent

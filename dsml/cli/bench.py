@@ -21,7 +21,7 @@ from typing import Any
 from ..collectives import ALL_REDUCE_ALGORITHMS, DTYPES, check_algorithm, check_op
 from ..config import parse_size
 from ..errors import ConfigError
-from ..launch.launcher import CPU_BIND
+from ..launch.rank_setup import CPU_BIND
 from .keys import add_curve_keys_option
 from .run import check_device, launch
 

@@ -29,10 +29,11 @@ from typing import Any
 from ..collectives.devices import parse_device, resolve_device
 from ..config import CommConfig, RegistryConfig
 from ..errors import ConfigError, DsmlError
-from ..launch.launcher import CPU_BIND, Launch
+from ..launch.launcher import Launch
 from ..launch.node_board import NodeBoard
 from ..launch.node_link import NodeLink
 from ..launch.nodes import NodeShape, link_address
+from ..launch.rank_setup import CPU_BIND
 from ..membership import Registry, open_registry, query_status
 from ..transport import Curve, check_address
 from ..transport.addresses import bracketed, format_tcp, is_local_address, resolve_host, split_tcp

@@ -15,7 +15,7 @@ from ..errors import ProtocolError
 from ..transport import Endpoint
 from ..transport.curve import is_loopback
 from ..wire import Envelope, Fields, Kind
-from .launcher import Failure
+from .failure import Failure
 from .nodes import (
     BEAT_S,
     LOST_S,

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigError, DsmlError, ProtocolError
 from ..transport import Channel
 from ..wire import Envelope, Fields, Kind
-from .launcher import Failure
+from .failure import Failure
 from .nodes import (
     BEAT_S,
     LOST_S,

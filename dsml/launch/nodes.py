@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import ConfigError, ProtocolError
 from ..transport.addresses import format_tcp, split_tcp
 from ..wire import Fields
-from .launcher import Failure
+from .failure import Failure
 
 __all__ = [
     "BEAT_S",

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from dsml.launch.launcher import Failure
+from dsml.launch.failure import Failure
 
 
 def _tail(*error: str) -> list[str]:
