@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.cli.run import check_running_group, node_zero_bind
+from dsml.launch.job import check_running_group, node_zero_bind
 from dsml.launch.nodes import NodeShape, link_address
 from dsml.membership import query_status
 from dsml.testing import crash, open_local_cluster

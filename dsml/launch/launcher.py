@@ -170,9 +170,7 @@ class Launch:
             if failure.consequence:  # the rank that caused it is probably exiting too
                 await self._wait_others(_CONSEQUENCE_GRACE_S)
                 if self.node is not None:  # ... or it ran on another node
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
-                            await self._cause_known.wait()
+                    await self._wait_cause()
             await self._stop_others()
 
     def _add_failure(self, failure: Failure) -> None:
@@ -192,10 +190,14 @@ class Launch:
 
     async def _stop_after(self, failure: Failure) -> None:
         if failure.consequence:  # the rank that caused it may be one of ours, exiting now
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
-                    await self._cause_known.wait()
+            await self._wait_cause()
         await self._stop_others()
+
+    async def _wait_cause(self) -> None:
+        """Wait a moment for a root cause (a failure that is no consequence) to be known."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
+                await self._cause_known.wait()
 
     @property
     def failure(self) -> Failure | None:
