@@ -92,4 +92,4 @@ def __getattr__(name: str) -> object:
 
 
 log.configure_from_env()  # DSML_LOG_LEVEL=debug shows the library's lines on stderr (the fork
-# server of `dsml run` calls it again in each rank: dsml/cli/forkserver.py)
+# server of `dsml run` calls it again in each rank: dsml/launch/forkserver_loop.py)

@@ -156,15 +156,15 @@ def test_run_binds_ranks_to_one_cpu_each_only_when_they_outnumber_the_cpus():
 
 
 def test_spread_gives_each_of_fewer_ranks_its_own_block_of_cpus(monkeypatch):
-    from dsml.cli import launcher
+    from dsml.launch import rank_setup
 
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
-    assert launcher.cpu_sets(3, "spread") == [{0, 1}, {2, 3}, {4, 5}]
-    assert launcher.cpu_sets(3, "auto") is None
-    assert launcher.cpu_sets(9, "auto") == [{i % 7} for i in range(9)]
-    assert launcher.cpu_sets(9, "none") is None
+    monkeypatch.setattr(rank_setup.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+    assert rank_setup.cpu_sets(3, "spread") == [{0, 1}, {2, 3}, {4, 5}]
+    assert rank_setup.cpu_sets(3, "auto") is None
+    assert rank_setup.cpu_sets(9, "auto") == [{i % 7} for i in range(9)]
+    assert rank_setup.cpu_sets(9, "none") is None
     with pytest.raises(ValueError, match="cpu_bind must be one of"):
-        launcher.cpu_sets(2, "cores")
+        rank_setup.cpu_sets(2, "cores")
 
 
 def test_a_failing_rank_stops_the_job_and_is_named_with_its_error():

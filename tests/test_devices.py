@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.cli.launcher import rank_environment
 from dsml.collectives import backend_of
 from dsml.collectives.devices import DeviceSpec, is_cupy_array, parse_device, resolve_device
+from dsml.launch.rank_setup import rank_environment
 from tests.gpu_fakes import FAKES
 
 ROOT = Path(__file__).resolve().parent.parent

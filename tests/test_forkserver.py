@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from dsml.cli.forkserver import forkable
+from dsml.launch.forkserver import forkable
 from tests.test_launch_launchers import clean_env
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the fork server is Linux's")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from dsml.cli.nodes import link_address
-from dsml.cli.run import node_zero_bind
 from dsml.communicator.session import host_keys
 from dsml.errors import ConfigError
 from dsml.launch import Hosting, choose_bind, resolve_rendezvous
+from dsml.launch.job import node_zero_bind
+from dsml.launch.nodes import link_address
 from dsml.membership import Member, View
 from dsml.transport import addresses, check_address, is_loopback
 from dsml.transport.addresses import (

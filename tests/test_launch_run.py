@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import dsml
-from dsml.cli.nodes import NodeShape, link_address
-from dsml.cli.run import check_running_group, node_zero_bind
+from dsml.launch.job import check_running_group, node_zero_bind
+from dsml.launch.nodes import NodeShape, link_address
 from dsml.membership import query_status
 from dsml.testing import crash, open_local_cluster
 from tests.test_launch_launchers import assert_one_group, clean_env, free_port, reports
@@ -340,14 +340,15 @@ async def test_node_zero_names_the_nodes_it_still_waits_for_and_a_loopback_addre
     """Node 0's ranks wait in silence for the others until their join timeout; its
     launcher names the missing nodes, and says when its address is a loopback one that
     other hosts cannot reach (a common mistake: --registry tcp://127.0.0.1:... on node 0)."""
-    from dsml.cli import nodes
+    from dsml.launch import node_board, node_link
 
-    monkeypatch.setattr(nodes, "BEAT_S", 0.05)
-    monkeypatch.setattr(nodes, "WAITING_S", 0.2)
-    monkeypatch.setattr(nodes, "WAITING_AGAIN_S", 0.3)
+    monkeypatch.setattr(node_board, "BEAT_S", 0.05)
+    monkeypatch.setattr(node_link, "BEAT_S", 0.05)
+    monkeypatch.setattr(node_board, "WAITING_S", 0.2)
+    monkeypatch.setattr(node_board, "WAITING_AGAIN_S", 0.3)
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    board = nodes.NodeBoard(NodeShape(3, 1, 0), lambda failure: None).open(address)
+    board = node_board.NodeBoard(NodeShape(3, 1, 0), lambda failure: None).open(address)
     try:
         with caplog.at_level("WARNING", logger="dsml.run"):
             await asyncio.sleep(0.6)
@@ -355,7 +356,7 @@ async def test_node_zero_names_the_nodes_it_still_waits_for_and_a_loopback_addre
             assert len(said) >= 2  # and again
             assert f"for nodes 1, 2 of --nnodes 3 to reach this launcher at {address}" in said[0]
             assert "loopback address, which launchers on other hosts cannot reach" in said[0]
-            link = await nodes.NodeLink(NodeShape(3, 1, 2), lambda failure: None).open(
+            link = await node_link.NodeLink(NodeShape(3, 1, 2), lambda failure: None).open(
                 address, timeout_s=5
             )
             try:
@@ -368,7 +369,7 @@ async def test_node_zero_names_the_nodes_it_still_waits_for_and_a_loopback_addre
                 await link.aclose()
     finally:
         await board.aclose()
-    other = nodes.NodeBoard(NodeShape(2, 1, 0), lambda failure: None)
+    other = node_board.NodeBoard(NodeShape(2, 1, 0), lambda failure: None)
     other._address = "tcp://10.1.2.3:29501"  # not bound: only the wording
     text = other.waiting(12.0)
     assert "after 12 s for node 1 of --nnodes 2" in text
@@ -383,7 +384,7 @@ def test_a_launcher_killed_is_named_lost_by_the_other_after_its_beats_stop(kille
     by PDEATHSIG). The other launcher stops hearing its beats on the link and, LOST_S
     later, names that node as the cause (it named one of its own ranks, or, with ranks
     that were not in a collective, waited for them forever)."""
-    from dsml.cli.nodes import LOST_S
+    from dsml.launch.nodes import LOST_S
 
     port = free_port_pair()
     nodes = [start_node(n, port, "wait_forever.py") for n in (0, 1)]
@@ -412,7 +413,7 @@ def test_ranks_outliving_the_group_are_not_stopped_when_node_zero_ends_first() -
     """Node 1's ranks close their communicators, then work on for longer than LOST_S.
     Node 0 ends meanwhile and says so on the link (LAUNCH_DONE): node 1 must not take
     the silence that follows for node 0's loss and stop them."""
-    from dsml.cli.nodes import LOST_S
+    from dsml.launch.nodes import LOST_S
 
     port = free_port_pair()
     outlive = str(LOST_S + 2)

@@ -21,9 +21,10 @@ from typing import Any
 from ..collectives import ALL_REDUCE_ALGORITHMS, DTYPES, check_algorithm, check_op
 from ..config import parse_size
 from ..errors import ConfigError
+from ..launch.job import launch
+from ..launch.rank_setup import CPU_BIND
 from .keys import add_curve_keys_option
-from .launcher import CPU_BIND
-from .run import check_device, launch
+from .run import check_device
 
 __all__ = ["add_parser", "format_table"]
 

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from dsml.cli.launcher import Failure
+from dsml.launch.failure import Failure
 
 
 def _tail(*error: str) -> list[str]:
@@ -36,7 +36,7 @@ def test_a_multi_line_message_is_judged_by_its_first_line():
 
 
 def test_the_root_cause_is_named_even_when_a_consequence_ended_first():
-    from dsml.cli.launcher import Launch
+    from dsml.launch.launcher import Launch
 
     launch = Launch(["true"], 2, "tcp://127.0.0.1:1")
     launch._add_failure(Failure(1, 1, _tail("dsml.errors.MemberLeftError: rank 2 left")))

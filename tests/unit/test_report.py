@@ -13,8 +13,8 @@ import pytest
 
 import dsml
 from dsml import _report
-from dsml.cli.launcher import Failure
 from dsml.errors import CollectiveMismatchError, ConfigError, PeerLostError
+from dsml.launch.failure import Failure
 
 INTERNAL = os.path.join(os.path.dirname(os.path.abspath(dsml.__file__)), "transport", "fake.py")
 MESSAGE = "collective #2 does not match across ranks: rank 0 called all_reduce(shape=(2,))"

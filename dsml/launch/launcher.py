@@ -1,4 +1,4 @@
-"""Starting N rank processes and supervising them (cli layer).
+"""Starting N rank processes and supervising them (launch layer).
 
 Each rank is a process in its own session, so a terminal's Ctrl-C reaches the launcher
 only and is forwarded exactly once; a second Ctrl-C kills. Ranks of a Python script or
@@ -15,42 +15,30 @@ end of its traceback, or of dsml's short report of it), else the last lines it w
 Linux the ranks also get SIGKILL if the launcher itself dies (forked ones through their
 server, which gets it first).
 
-CPU binding (`cpu_bind`): with more ranks than the CPUs the launcher may use ("auto", the
-default), rank i is bound to one CPU, i modulo their number, so the ranks spread evenly.
-Left to the scheduler, ranks that mostly wait (for a peer, in shared memory or on a
-socket) look idle to it and stay where they started: 4 ranks on 2 CPUs were seen split 3
-and 1 for a whole run, each call then taking up to 2x longer. With fewer ranks than CPUs
-nothing is bound under "auto" (a rank's compute threads may use every CPU); "spread" then
-gives each rank its own block of CPUs, "none" never binds.
+What a rank gets (its environment and CPUs) is rank_setup.py's; passing its output on,
+output.py's; judging a failure (which one is the root cause), failure.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
 import signal
 import socket
-import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
-from .._process import describe_exit, die_with_parent
-from ..errors import caused_by_another_rank
+from .failure import Failure
 from .forkserver import ForkServer, RankProcess, forkable
+from .output import LineSink, RankOutput
+from .rank_setup import child_setup, cpu_sets, rank_environment
 
-__all__ = ["Failure", "Launch", "rank_environment"]
+__all__ = ["Launch"]
 
 log = logging.getLogger("dsml.launcher")
 
-#: on_line(rank, stream name, line) replaces the default printing when given.
-LineSink = Callable[[int, str, str], None]
-
-_TAIL_LINES = 20
-CPU_BIND = ("auto", "spread", "none")  # see the module docstring
 _CONSEQUENCE_GRACE_S = 2.0  # how long a rank that caused others' failure has to exit
 
 
@@ -59,142 +47,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def rank_environment(
-    base: Mapping[str, str],
-    rank: int,
-    world_size: int,
-    registry: str,
-    device: str | None = None,
-    *,
-    local_rank: int | None = None,
-    local_world_size: int | None = None,
-    node_rank: int = 0,
-) -> dict[str, str]:
-    """The environment of one rank: DSML_* for dsml.init, and what torchrun users expect.
-
-    With `device` ("cpu", "cuda" or "cuda:N") every rank gets DSML_DEVICE; with "cuda",
-    `dsml.init()` then picks GPU LOCAL_RANK % gpu count, so local rank i gets GPU i.
-    """
-    env = dict(base)
-    if device is not None:
-        env["DSML_DEVICE"] = device
-    local_rank = rank if local_rank is None else local_rank
-    local_world_size = world_size if local_world_size is None else local_world_size
-    env.update(
-        DSML_REGISTRY=registry,
-        DSML_WORLD_SIZE=str(world_size),
-        DSML_RANK=str(rank),
-        DSML_LOCAL_RANK=str(local_rank),
-        RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(local_world_size),
-        GROUP_RANK=str(node_rank),
-        PYTHONUNBUFFERED="1",
-    )
-    if not env.get("OMP_NUM_THREADS"):
-        env["OMP_NUM_THREADS"] = "1"  # ranks share the cores; a user's own value stays
-    return env
-
-
-@dataclass
-class Failure:
-    rank: int
-    code: int
-    tail: list[str] = field(default_factory=list)
-    node: int | None = None  # with --nnodes: the node it ran on
-    host: str = ""
-    signal: str = ""  # not a rank's failure: that node's launcher got this signal (SIGINT)
-    lost: str = ""  # not a rank's failure: that node's launcher was lost (how it was noticed)
-
-    @property
-    def consequence(self) -> bool:
-        """True when this rank only failed because another one did (as its error says)."""
-        if self.signal or self.lost:
-            return False  # an interrupted or lost node is the cause of what its peers see
-        error = _error_of(self.tail) or self.tail[-1:]
-        if not error:
-            return False
-        name, _, message = error[0].partition(":")
-        return caused_by_another_rank(name, message)
-
-    def report(self) -> str:
-        if self.signal:
-            return (
-                f"dsml run: node {self.node} ({self.host}) was interrupted by {self.signal}; "
-                "the other ranks were stopped."
-            )
-        if self.lost:
-            return (
-                f"dsml run: node {self.node} ({self.host or 'unknown host'}) was lost: "
-                f"{self.lost}; the other ranks were stopped."
-            )
-        where = f" on node {self.node} ({self.host})" if self.node is not None else ""
-        lines = [
-            f"dsml run: rank {self.rank}{where} failed ({describe_exit(self.code)}); "
-            "the other ranks were stopped."
-        ]
-        error = _error_of(self.tail)
-        if error:  # its traceback was printed above, with the rank's other output
-            lines.append(f"---- rank {self.rank}'s error (traceback above) ----")
-            lines += [f"  {line}" for line in error]
-            lines.append("----")
-        elif self.tail:
-            lines.append(f"---- last lines rank {self.rank} wrote to stderr ----")
-            lines += [f"  {line}" for line in self.tail]
-            lines.append("----")
-        return "\n".join(lines)
-
-
-def cpu_sets(ranks: int, bind: str = "auto") -> list[set[int]] | None:
-    """The CPUs of each of `ranks` local ranks under `bind` (see the module docstring),
-    from those this process may use; None: leave them unbound."""
-    if bind not in CPU_BIND:
-        raise ValueError(f"cpu_bind must be one of {', '.join(CPU_BIND)}, got {bind!r}")
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux: no binding
-        return None
-    if bind == "none" or ranks < 1 or (bind == "auto" and ranks <= len(cpus)):
-        return None
-    if ranks >= len(cpus):
-        return [{cpus[i % len(cpus)]} for i in range(ranks)]
-    block = len(cpus) // ranks
-    return [set(cpus[i * block : (i + 1) * block]) for i in range(ranks)]
-
-
-def _child_setup(cpus: set[int] | None) -> Callable[[], None] | None:
-    """The `preexec_fn` of a rank: die with the launcher, and run on `cpus` if given."""
-    if cpus is None:
-        return die_with_parent
-
-    def setup() -> None:  # pragma: no cover - runs in the child before exec
-        if die_with_parent is not None:
-            die_with_parent()
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, cpus)
-
-    return setup
-
-
-def _error_of(tail: list[str]) -> list[str]:
-    """The exception lines that end a Python traceback in `tail` ([] if it holds none):
-    a full one, dsml's short report (`_report.py`), or the end of one whose header
-    scrolled out of the tail."""
-    starts = [i for i, line in enumerate(tail) if line.startswith("Traceback (most recent")]
-    frames = [i for i, line in enumerate(tail) if line.startswith('  File "')]
-    if not starts and not frames:
-        return []
-    # The last frame line, then its source and caret lines (indented 4), then the error:
-    # its message may go on over lines of any indentation.
-    end = starts[-1] if starts else frames[0]
-    end = max([end, *(i for i in frames if i >= end)])
-    end += 1
-    while end < len(tail) and tail[end].startswith("    "):
-        end += 1
-    return tail[end:]
 
 
 class Launch:
@@ -234,15 +86,11 @@ class Launch:
             # dsml run) needs a store address, as under torchrun; a user's own values win
             # (with --nnodes, every node must be given the same: set them).
             self._env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        self._on_line = on_line
         self._grace_s = grace_s
-        self._stdout = stdout or sys.stdout
-        self._stderr = stderr or sys.stderr
+        self._output = RankOutput(self.ranks, on_line, stdout, stderr)
         self._procs: list[asyncio.subprocess.Process | RankProcess] = []
         self._forks: ForkServer | None = None  # see forkserver.py
         self._signalled: set[int] = set()  # ranks this launcher sent a signal to
-        self._output_closed = False
-        self._tails = [collections.deque[str](maxlen=_TAIL_LINES) for _ in self.ranks]
         self._cause_known = asyncio.Event()  # a root cause (not a consequence) is known
         self._remote_stop: asyncio.Task[None] | None = None
 
@@ -298,30 +146,32 @@ class Launch:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_child_setup(cpus),
+            preexec_fn=child_setup(cpus),
         )
 
     async def _supervise(self, index: int, proc: asyncio.subprocess.Process | RankProcess) -> None:
         assert proc.stdout is not None
         assert proc.stderr is not None
-        await asyncio.gather(
-            self._pump(index, "stdout", proc.stdout), self._pump(index, "stderr", proc.stderr)
-        )
+        await self._output.relay(index, proc.stdout, proc.stderr)
         code = await proc.wait()
         if code != 0 and not self.interrupted and index not in self._signalled:
-            host = socket.gethostname() if self.node is not None else ""
-            failure = Failure(self.ranks[index], code, list(self._tails[index]), self.node, host)
-            if self.on_failure is not None:
-                self.on_failure(failure)
-            self._add_failure(failure)
-            if len(self.failures) == 1:
-                if failure.consequence:  # the rank that caused it is probably exiting too
-                    await self._wait_others(_CONSEQUENCE_GRACE_S)
-                    if self.node is not None:  # ... or it ran on another node
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
-                                await self._cause_known.wait()
-                await self._stop_others()
+            await self._rank_failed(index, code)
+
+    async def _rank_failed(self, index: int, code: int) -> None:
+        """A rank started here failed (not stopped by this launcher): report it, and on the
+        first failure stop the others, once the rank that caused it had a moment to exit
+        when this one failed only because of it."""
+        host = socket.gethostname() if self.node is not None else ""
+        failure = Failure(self.ranks[index], code, self._output.tail(index), self.node, host)
+        if self.on_failure is not None:
+            self.on_failure(failure)
+        self._add_failure(failure)
+        if len(self.failures) == 1:
+            if failure.consequence:  # the rank that caused it is probably exiting too
+                await self._wait_others(_CONSEQUENCE_GRACE_S)
+                if self.node is not None:  # ... or it ran on another node
+                    await self._wait_cause()
+            await self._stop_others()
 
     def _add_failure(self, failure: Failure) -> None:
         self.failures.append(failure)
@@ -340,31 +190,20 @@ class Launch:
 
     async def _stop_after(self, failure: Failure) -> None:
         if failure.consequence:  # the rank that caused it may be one of ours, exiting now
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
-                    await self._cause_known.wait()
+            await self._wait_cause()
         await self._stop_others()
+
+    async def _wait_cause(self) -> None:
+        """Wait a moment for a root cause (a failure that is no consequence) to be known."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CONSEQUENCE_GRACE_S):
+                await self._cause_known.wait()
 
     @property
     def failure(self) -> Failure | None:
         """The root cause: the first rank to fail on its own, else the first to fail."""
         causes = [f for f in self.failures if not f.consequence] or self.failures
         return causes[0] if causes else None
-
-    async def _pump(self, index: int, name: str, stream: asyncio.StreamReader) -> None:
-        rank = self.ranks[index]
-        async for text in _lines(stream):
-            if name == "stderr":
-                self._tails[index].append(text)
-            if self._on_line is not None:
-                self._on_line(rank, name, text)
-            elif not self._output_closed:
-                out = self._stdout if name == "stdout" else self._stderr
-                try:
-                    out.write(f"[rank {rank}] {text}\n")
-                    out.flush()
-                except BrokenPipeError:  # e.g. piped into `head`: keep supervising quietly
-                    self._output_closed = True
 
     async def _wait_others(self, within_s: float) -> bool:
         """Wait until every rank has exited, at most within_s; True if all exited."""
@@ -430,28 +269,3 @@ class Launch:
             return code if code > 0 else 128 - code
         codes = [p.returncode or 0 for p in self._procs]
         return next((c if c > 0 else 128 - c for c in codes if c), 0)
-
-
-_MAX_LINE = 64 * 1024  # a longer stretch without a newline is passed on in pieces
-
-
-async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
-    """The lines a rank writes, without their newline. A carriage return (a progress bar
-    redrawing itself) keeps what a terminal would show: the text after the last one.
-    Output without newlines is passed on every 64 KiB instead of failing."""
-    pending = b""
-    while chunk := await stream.read(_MAX_LINE):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        if len(pending) > _MAX_LINE:
-            lines.append(pending)
-            pending = b""
-        for line in lines:
-            yield _shown(line)
-    if pending:
-        yield _shown(pending)
-
-
-def _shown(line: bytes) -> str:
-    text = line.decode(errors="replace").rstrip("\r")
-    return text.rsplit("\r", 1)[-1]
