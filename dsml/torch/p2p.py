@@ -89,28 +89,29 @@ class Receives:
     ) -> tuple[int, Array]:
         """One receive per other rank; the first to complete wins, the others are
         cancelled, and what those completed anyway is kept for later receives."""
+        # The receives themselves are cancelled, not the tasks awaiting them: a task
+        # cancelled just after its receive completed would drop the message it got.
         handles = {
-            src: asyncio.ensure_future(_awaited(comm.recv(src, tag=tag, timeout=timeout)))
+            src: comm.recv(src, tag=tag, timeout=timeout)
             for src in range(comm.world_size)
             if src != comm.rank
         }
         if not handles:
-            raise ValueError(
-                "recv from any source in a group of one: there is nobody to receive from"
-            )
+            raise ValueError("recv from any source in a group of one: nobody can send to it")
+        waits = {src: asyncio.ensure_future(_awaited(h)) for src, h in handles.items()}
         try:
-            await asyncio.wait(handles.values(), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
         finally:
             for handle in handles.values():
-                handle.cancel()
-            await asyncio.wait(handles.values())
+                handle.cancel()  # no-op for those already done: their message is kept
+            await asyncio.wait(waits.values())
         got = [
-            (src, h.result())
-            for src, h in handles.items()
-            if not h.cancelled() and h.exception() is None
+            (src, w.result())
+            for src, w in waits.items()
+            if not w.cancelled() and w.exception() is None
         ]
         if not got:  # every receive failed: the first error (by rank) is the call's
-            errors = [h.exception() for h in handles.values() if not h.cancelled()]
+            errors = [w.exception() for w in waits.values() if not w.cancelled()]
             raise next(e for e in errors if e is not None)
         for src, message in got[1:]:
             self._kept[tag][src].append(message)

@@ -59,19 +59,24 @@ def results(pg: dist.ProcessGroup, rank: int, world: int) -> dict[str, object]:
     return out
 
 
-def any_source(pg: dist.ProcessGroup, rank: int, world: int) -> list[int]:
-    """Rank 0 receives from any source, world - 1 times; the sources it reports."""
+def any_source(pg: dist.ProcessGroup, rank: int, world: int, per_rank: int = 8) -> list[int]:
+    """Rank 0 receives from any source while every other rank sends `per_rank` messages at
+    once; each source's messages arrive whole and in order. The sources, in order."""
     if rank != 0:
-        pg.send([torch.full((2,), float(rank))], 0, 7).wait()
+        works = [pg.send([torch.full((2,), float(rank * 100 + i))], 0, 7) for i in range(per_rank)]
+        for work in works:
+            work.wait()
         return []
-    sources = []
-    for _ in range(world - 1):
+    sources, seen = [], dict.fromkeys(range(1, world), 0)
+    for _ in range(per_rank * (world - 1)):
         t = torch.zeros(2)
         work = pg.recv_anysource([t], 7)
         work.wait()
         src = work._source_rank()
-        assert torch.equal(t, torch.full((2,), float(src))), (t, src)
+        assert torch.equal(t, torch.full((2,), float(src * 100 + seen[src]))), (t, src, seen)
+        seen[src] += 1
         sources.append(src)
+    assert all(n == per_rank for n in seen.values()), seen
     return sorted(sources)
 
 
