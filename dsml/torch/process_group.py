@@ -14,7 +14,10 @@ allreduce_coalesced: one all_reduce of them concatenated); broadcast; reduce; al
 all_gather_single -> all_gather; gather; scatter; reduce_scatter(_single) ->
 reduce_scatter; alltoall -> an all_gather of the part sizes and an all_to_all of the parts
 padded to the longest (all_to_all_single without split sizes -> all_to_all); barrier;
-send; recv.
+send; recv. allgather_coalesced -> one all_gather of the inputs concatenated, split into
+outputs[rank][i]; a sparse allreduce -> sparse.py; recv_anysource and monitored_barrier
+-> p2p.py. Every call form torch binds (options omitted, the tensor-and-argument
+overloads) becomes torch's options object first (options.py).
 
 Arguments that are wrong on one rank only (an output of the wrong size, unequal parts)
 raise ValueError there after taking the call's turn with a barrier, which the peers'
