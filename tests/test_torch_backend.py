@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.procs import joined_output
+
 pytest.importorskip("torch", reason="torch is not installed (pip install dsml[torch])")
 
 # torch takes seconds to import in each process, more on a busy machine
@@ -132,6 +134,15 @@ def test_init_and_destroy_three_times_in_one_process_with_a_sub_group(launcher: 
     assert result.returncode == 0, result.stderr[-3000:]
     for round_ in range(3):
         assert result.stdout.count(f"round {round_} ok") == 3, result.stdout
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_entry_point_torch_has_gives_what_gloo_gives(world: int):
+    """Options omitted, the tensor-and-argument overloads, allgather_coalesced's
+    outputs[rank][tensor], recv from any source with its source rank, sparse all_reduce,
+    monitored_barrier and _get_backend("cpu"): each compared with gloo in the same ranks."""
+    output = joined_output(start_ranks(world, "torch_entry_points.py"), timeout=180)
+    assert output.split().count("ok") == world, output
 
 
 def test_a_wait_that_times_out_cancels_the_call_and_leaves_its_tensor_intact():

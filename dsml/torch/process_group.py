@@ -14,7 +14,10 @@ allreduce_coalesced: one all_reduce of them concatenated); broadcast; reduce; al
 all_gather_single -> all_gather; gather; scatter; reduce_scatter(_single) ->
 reduce_scatter; alltoall -> an all_gather of the part sizes and an all_to_all of the parts
 padded to the longest (all_to_all_single without split sizes -> all_to_all); barrier;
-send; recv.
+send; recv. allgather_coalesced -> one all_gather of the inputs concatenated, split into
+outputs[rank][i]; a sparse allreduce -> sparse.py; recv_anysource and monitored_barrier
+-> p2p.py. Every call form torch binds (options omitted, the tensor-and-argument
+overloads) becomes torch's options object first (options.py).
 
 Arguments that are wrong on one rank only (an output of the wrong size, unequal parts)
 raise ValueError there after taking the call's turn with a barrier, which the peers'
@@ -31,6 +34,7 @@ finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -58,6 +62,9 @@ from .mapping import (
     _table,
     _unequal,
 )
+from .options import options, tensor_list
+from .p2p import Receives, monitored_barrier
+from .sparse import all_reduce_sparse
 from .work import DsmlWork, RunState
 
 if TYPE_CHECKING:
@@ -93,6 +100,10 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         self._closed_key = f"dsml/closed/{comm.view.members[0].id}/"  # unique to this group
         self._group_name = ""
         self._group_desc = ""
+        self._receives = Receives()  # recv and recv_anysource (on the loop thread)
+        self._devices = [torch.device("cpu")]
+        if importlib.util.find_spec("cupy") is not None:  # CUDA tensors go through cupy
+            self._devices.append(torch.device("cuda"))
 
     # -- what torch asks of every process group ---------------------------------------------
 
@@ -110,6 +121,20 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
     def getGroupDesc(self) -> str:
         return self._group_desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return list(self._devices)
+
+    def _get_backend(self, device: torch.device | str) -> ProcessGroupDsml:
+        """The backend of `device`'s tensors: this group itself, for cpu (and cuda when
+        cupy is installed). torch cannot register a Python backend per device (its
+        Backend class has no Python constructor), so Python callers get it here; C++
+        callers of getBackend do not."""
+        kind = torch.device(device).type
+        if all(d.type != kind for d in self._devices):
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
 
     @property
     def group_name(self) -> str:
@@ -147,19 +172,25 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
     # -- reductions in place ------------------------------------------------------------------
 
-    def allreduce(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
-        op = _op_name(_reduce_op(opts))
-        timeout = self._timeout(opts)
+    def allreduce(
+        self, tensors: Tensors | torch.Tensor, opts: Any = None, timeout: timedelta | None = None
+    ) -> DsmlWork:
+        tensors = tensor_list(tensors)
+        opts = options("allreduce", opts, timeout=timeout)
+        op, timeout_s = _op_name(_reduce_op(opts)), self._timeout(opts)
+        if any(t.is_sparse for t in tensors):
+            return self._allreduce_sparse(tensors, op, timeout_s)
         if len(tensors) > 1:
-            return self._allreduce_together("allreduce", tensors, op, timeout)
+            return self._allreduce_together("allreduce", tensors, op, timeout_s)
 
         async def run(comm: Communicator) -> Tensors:
-            await _all([comm.all_reduce(t, op, timeout=timeout) for t in tensors])
+            await _all([comm.all_reduce(t, op, timeout=timeout_s) for t in tensors])
             return tensors
 
         return self._start("allreduce", run)
 
     def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
+        opts = options("allreduce_coalesced", opts)
         op, timeout = _op_name(_reduce_op(opts)), self._timeout(opts)
         return self._allreduce_together("allreduce_coalesced", tensors, op, timeout)
 
@@ -195,28 +226,52 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
         return self._start(what, run)
 
-    def broadcast(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
-        root, timeout = opts.rootRank, self._timeout(opts)
+    def _allreduce_sparse(self, tensors: Tensors, op: str, timeout: float) -> DsmlWork:
+        async def run(comm: Communicator) -> Tensors:
+            for t in tensors:
+                await all_reduce_sparse(comm, t, op, timeout)
+            return tensors
+
+        return self._start("sparse allreduce", run)
+
+    def broadcast(
+        self, tensors: Tensors | torch.Tensor, opts: Any = None, timeout: timedelta | None = None
+    ) -> DsmlWork:
+        tensors = tensor_list(tensors)
+        opts = options("broadcast", opts, timeout=timeout)
+        root, timeout_s = opts.rootRank, self._timeout(opts)
 
         async def run(comm: Communicator) -> Tensors:
-            await _all([comm.broadcast(t, root, timeout=timeout) for t in tensors])
+            await _all([comm.broadcast(t, root, timeout=timeout_s) for t in tensors])
             return tensors
 
         return self._start("broadcast", run)
 
-    def reduce(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
-        op, root, timeout = _op_name(opts.reduceOp), opts.rootRank, self._timeout(opts)
+    def reduce(
+        self,
+        tensors: Tensors | torch.Tensor,
+        opts: Any = None,
+        op: Any = None,
+        timeout: timedelta | None = None,
+    ) -> DsmlWork:
+        tensors = tensor_list(tensors)
+        opts = options("reduce", opts, op=op, timeout=timeout)
+        dsml_op, root, timeout_s = _op_name(opts.reduceOp), opts.rootRank, self._timeout(opts)
 
         async def run(comm: Communicator) -> Tensors:
-            await _all([comm.reduce(t, root, op, timeout=timeout) for t in tensors])
+            await _all([comm.reduce(t, root, dsml_op, timeout=timeout_s) for t in tensors])
             return tensors
 
         return self._start("reduce", run)
 
     # -- gathering ------------------------------------------------------------------------
 
-    def allgather(self, outputs: list[Tensors], inputs: Tensors, opts: Any = None) -> DsmlWork:
-        timeout = self._timeout(opts)
+    def allgather(
+        self, outputs: list[Tensors] | Tensors, inputs: Tensors | torch.Tensor, opts: Any = None
+    ) -> DsmlWork:
+        if isinstance(inputs, torch.Tensor):  # allgather(list of outputs, input)
+            outputs, inputs = [tensor_list(outputs)], [inputs]
+        timeout = self._timeout(options("allgather", opts))
 
         wrong = _gather_outputs_wrong(self.size(), outputs, inputs)
 
@@ -259,10 +314,43 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def allgather_coalesced(
         self, outputs: list[Tensors], inputs: Tensors, opts: Any = None
     ) -> DsmlWork:
-        return self.allgather(outputs, inputs, opts)
+        """outputs[r][i] = rank r's inputs[i]: one all_gather of the inputs concatenated."""
+        timeout = self._timeout(options("allgather", opts))
+        wrong = ""
+        if len(outputs) != self.size():
+            wrong = f"{len(outputs)} output lists for a group of {self.size()}"
+        elif len({t.dtype for t in inputs}) > 1:
+            wrong = "the inputs must all have one dtype"
+        for outs in outputs if not wrong else []:
+            if len(outs) != len(inputs):
+                wrong = f"an output list has {len(outs)} tensors for {len(inputs)} inputs"
+            wrong = wrong or _gather_outputs_wrong(1, [[o] for o in outs], inputs)
+            if wrong:
+                break
 
-    def gather(self, outputs: list[Tensors], inputs: Tensors, opts: Any = None) -> DsmlWork:
-        root, timeout = opts.rootRank, self._timeout(opts)
+        async def run(comm: Communicator) -> list[Tensors]:
+            if wrong:
+                await _refuse(comm, 1, ValueError(f"allgather_coalesced: {wrong}"))
+            if not inputs:
+                return outputs
+            whole = torch.cat([_flat(x) for x in inputs])
+            gathered = await comm.all_gather(whole, timeout=timeout)
+            _split_into([o for outs in outputs for o in outs], gathered)
+            return outputs
+
+        return self._start("allgather_coalesced", run)
+
+    def gather(
+        self,
+        outputs: list[Tensors] | Tensors,
+        inputs: Tensors | torch.Tensor,
+        opts: Any = None,
+        timeout: timedelta | None = None,
+    ) -> DsmlWork:
+        if isinstance(inputs, torch.Tensor):  # gather(list of outputs, input, root)
+            outputs, inputs = [tensor_list(outputs)], [inputs]
+        opts = options("gather", opts, timeout=timeout)
+        root, timeout_s = opts.rootRank, self._timeout(opts)
 
         x, wrong = inputs[0], ""
         if self.rank() == root:
@@ -271,7 +359,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         async def run(comm: Communicator) -> list[Tensors]:
             # Every rank learns every input's size and dtype and whether the root's outputs
             # fit: an error on one rank is an error on all (the root alone could tell).
-            table = await _table(comm, [bool(wrong), x.numel(), _code(x.dtype)], timeout)
+            table = await _table(comm, [bool(wrong), x.numel(), _code(x.dtype)], timeout_s)
             if table[root, 0]:
                 raise ValueError(f"gather: {wrong or f'rank {root} has wrong outputs'}")
             other = _first_other(table, root)
@@ -281,15 +369,24 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
                     f"or dtype from rank {root}'s ({table[root, 1]}): every rank's input must "
                     "match one output"
                 )
-            gathered = await comm.gather(_flat(x), root, timeout=timeout)
+            gathered = await comm.gather(_flat(x), root, timeout=timeout_s)
             if gathered is not None:
                 _split_into(outputs[0], gathered)
             return outputs
 
         return self._start("gather", run)
 
-    def scatter(self, outputs: Tensors, inputs: list[Tensors], opts: Any = None) -> DsmlWork:
-        root, timeout = opts.rootRank, self._timeout(opts)
+    def scatter(
+        self,
+        outputs: Tensors | torch.Tensor,
+        inputs: list[Tensors] | Tensors,
+        opts: Any = None,
+        timeout: timedelta | None = None,
+    ) -> DsmlWork:
+        if isinstance(outputs, torch.Tensor):  # scatter(output, list of parts, root)
+            outputs, inputs = [outputs], ([list(inputs)] if inputs else [])
+        opts = options("scatter", opts, timeout=timeout)
+        root, timeout_s = opts.rootRank, self._timeout(opts)
         parts, out = (inputs[0] if inputs else None), outputs[0]
         wrong = _unequal("scatter", parts, self.size()) if parts is not None else ""
         if self.rank() == root and parts is None:
@@ -300,7 +397,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
             # Every rank learns whether the root's parts fit every rank's output, so a
             # wrong output on one rank is an error on all (not that rank alone).
             mine = [bool(wrong), out.numel(), _code(out.dtype), part.numel(), _code(part.dtype)]
-            table = await _table(comm, mine, timeout)
+            table = await _table(comm, mine, timeout_s)
             if table[root, 0]:
                 raise ValueError(wrong or f"scatter: rank {root} has wrong parts")
             for r in range(len(table)):
@@ -310,7 +407,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
                         f"the parts of rank {root} ({table[root, 3]} elements) in size or dtype"
                     )
             whole = torch.cat([_flat(p) for p in parts]) if parts is not None else None
-            mine = await comm.scatter(whole, root, timeout=timeout)
+            mine = await comm.scatter(whole, root, timeout=timeout_s)
             _copy_into(outputs[0], mine)
             return outputs
 
@@ -318,7 +415,16 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
     # -- reduce-scatter and all-to-all --------------------------------------------------------
 
-    def reduce_scatter(self, outputs: Tensors, inputs: list[Tensors], opts: Any = None) -> DsmlWork:
+    def reduce_scatter(
+        self,
+        outputs: Tensors | torch.Tensor,
+        inputs: list[Tensors] | Tensors,
+        opts: Any = None,
+        timeout: timedelta | None = None,
+    ) -> DsmlWork:
+        if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, list of parts, op)
+            outputs, inputs = [outputs], [list(inputs)]
+        opts = options("reduce_scatter", opts, timeout=timeout)
         wrong = next(filter(None, (_unequal("reduce_scatter", p, self.size()) for p in inputs)), "")
         wholes = [torch.cat([_flat(p) for p in parts]) for parts in inputs]
         return self._reduce_scatter("reduce_scatter", outputs, wholes, opts, wrong)
@@ -341,6 +447,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def _reduce_scatter(
         self, what: str, outputs: Tensors, wholes: Tensors, opts: Any, wrong: str = ""
     ) -> DsmlWork:
+        opts = options("reduce_scatter", opts)
         op, timeout = _op_name(opts.reduceOp), self._timeout(opts)
         for out, whole in zip(outputs, wholes, strict=True):
             if not wrong and whole.numel() != out.numel() * self.size():
@@ -430,6 +537,26 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
         return self._start("barrier", run)
 
+    def monitored_barrier(
+        self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """gloo's monitored barrier (p2p.py): rank 0 raises naming the ranks that did not
+        arrive within `timeout` (the group's when None); the others, that rank 0 failed."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        timeout_s = self._timeout_s if seconds is None else float(seconds)
+
+        async def run(comm: Communicator) -> Tensors:
+            await monitored_barrier(comm, timeout_s, wait_all_ranks)
+            return []
+
+        work = self._start("monitored_barrier", run)
+        try:
+            work.wait()
+        except dist.DistBackendError as exc:
+            if isinstance(exc.__cause__, RuntimeError):  # gloo's message, as gloo raises it
+                raise RuntimeError(str(exc.__cause__)) from exc.__cause__
+            raise
+
     def send(self, tensors: Tensors, dst: int, tag: int) -> DsmlWork:
         async def run(comm: Communicator) -> Tensors:
             await _all([comm.send(t, dst, tag=tag, timeout=self._timeout_s) for t in tensors])
@@ -438,32 +565,47 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         return self._start(f"send to rank {dst}", run)
 
     def recv(self, tensors: Tensors, src: int, tag: int) -> DsmlWork:
+        state = RunState(source=src)
+
         async def run(comm: Communicator) -> Tensors:
             for t in tensors:
-                _copy_into(t, await comm.recv(src, tag=tag, timeout=self._timeout_s))
+                _copy_into(t, await self._receives.recv(comm, src, tag, self._timeout_s))
             return tensors
 
-        return self._start(f"recv from rank {src}", run)
+        return self._start(f"recv from rank {src}", run, state)
 
     def recv_anysource(self, tensors: Tensors, tag: int) -> DsmlWork:
-        raise ValueError("the dsml backend needs a source rank for recv (no ANY_SOURCE)")
+        """Receive from whichever rank sends first (p2p.py); `work._source_rank()` says
+        which, once the work has completed."""
+        state = RunState()
+
+        async def run(comm: Communicator) -> Tensors:
+            for t in tensors:
+                state.source, message = await self._receives.recv_any(comm, tag, self._timeout_s)
+                _copy_into(t, message)
+            return tensors
+
+        return self._start("recv from any rank", run, state)
 
     # -- running on the loop ------------------------------------------------------------------
 
     def _timeout(self, opts: Any) -> float:
-        """The call's timeout: the options' when set, else the group's."""
-        value = getattr(opts, "timeout", None)
+        """The call's timeout: the options' (or the timedelta given) when set, else the
+        group's."""
+        value = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)
         seconds = value.total_seconds() if isinstance(value, timedelta) else 0.0
         return seconds if seconds > _UNSET_TIMEOUT_S else self._timeout_s
 
     def _start(
-        self, what: str, run: Callable[[Communicator], Coroutine[Any, Any, Any]]
+        self,
+        what: str,
+        run: Callable[[Communicator], Coroutine[Any, Any, Any]],
+        run_state: RunState | None = None,
     ) -> DsmlWork:
         """Run `run(comm)` on the loop thread (started in call order); its Work now."""
         comm = self.comm.async_comm
         size, rank = self.size(), self.rank()
-
-        run_state = RunState()
+        run_state = run_state or RunState()
 
         async def checked(comm: Communicator) -> Any:
             run_state.started = True

@@ -23,10 +23,12 @@ _CANCEL_GRACE_S = 10.0
 
 @dataclass
 class RunState:
-    """Whether a call started on the loop thread, and when it ended (set from there)."""
+    """Whether a call started on the loop thread, and when it ended (set from there);
+    a receive's source rank (-1 until known, as torch's Work has it)."""
 
     started: bool = False
     ended: threading.Event = field(default_factory=threading.Event)
+    source: int = -1
 
 
 # The latest failures, for `cause_of`: DDP's reducer re-raises them through C++, which
@@ -54,6 +56,8 @@ def backend_error(what: str, error: BaseException) -> dist.DistBackendError:
     """torch's error for a failed backend call, with dsml's error as its cause."""
     if isinstance(error, concurrent.futures.CancelledError):
         text = f"dsml {what} was cancelled"
+    elif isinstance(error, TimeoutError):  # "Timed out" as gloo and NCCL say, which code matches
+        text = f"dsml {what} failed: Timed out ({type(error).__name__}: {error})"
     else:
         text = f"dsml {what} failed: {type(error).__name__}: {error}"
     wrapped = dist.DistBackendError(text)
@@ -108,9 +112,9 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
         except TimeoutError:
             self._cancel()
             raise dist.DistBackendError(
-                f"dsml {self._what} did not finish within {seconds:g} s, so it was "
-                "cancelled: its tensors are as they were, and the other ranks' matching "
-                "call fails too"
+                f"dsml {self._what}: Timed out waiting {seconds * 1000:.0f}ms for it to "
+                "finish, so it was cancelled: its tensors are as they were, and the other "
+                "ranks' matching call fails too"
             ) from None
         self._settle()
         error = self._error()
@@ -131,6 +135,12 @@ class DsmlWork(dist._Work):  # type: ignore[misc]
         ends, so right after wait() it was often still pending (and value() asserted)."""
         with contextlib.suppress(Exception):  # its error is the call's: _error() has it
             self._torch_future.wait()
+
+    def _source_rank(self) -> int:
+        """The rank a receive got its message from (recv from any source too)."""
+        return self._state.source if self._state is not None else -1
+
+    source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._torch_future
