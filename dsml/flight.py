@@ -116,9 +116,7 @@ def _about(
         its_last = f"its last collective is #{last['cid']} ({_call(last)})"
     elif seen is not None and seen.get("last_started") is not None:
         said = seen["last_started"]
-        its_last = f"its last collective is #{said}" + (
-            f" ({seen['kind']})" if seen["kind"] else ""
-        )
+        its_last = f"its last collective is #{said}{_kind(seen)}"
     else:
         its_last = "its last collective is unknown"
     no_file = "" if record is not None else f" (no flight record from rank {rank})"
@@ -131,13 +129,13 @@ def _about(
             f"{kind}; {its_last}"
         )
     main = record.get("main_thread") if record is not None else None
-    silent = seen is not None and seen.get("last_started") is None
-    if main is not None and main["loop"] == "busy":
+    silent = seen is None or seen.get("last_started") is None
+    if main is not None and main["loop"] == "busy" and silent:
         return (
             f"rank {rank} did not answer (its loop was busy in {main['where']}: "
             f"{main['line'].strip()}); {its_last}; {waited} for it"
         )
-    if silent:
+    if silent and seen is not None and main is None:  # no record of its own: the probe says
         return (
             f"rank {rank} did not answer (its loop was busy or the process hung); "
             f"{its_last}; {waited} for it{no_file}"

@@ -4,8 +4,9 @@
 - busy: its event loop is blocked by a long synchronous computation;
 - recv: it waits in recv from rank 0 (tag 0), which never sends.
 
-The others' all_reduce #3 times out (CALL_TIMEOUT s); rank 0 then sends SIGUSR1 to the
-ranks the timeout named (their pids came in collective #1), as an operator would.
+The others' all_reduce #3 times out (CALL_TIMEOUT s); each then sends SIGUSR1 to the ranks
+its timeout named (their pids came in collective #1), as an operator would. Each, not only
+rank 0: the first to time out aborts the call at the others, whose error names nobody.
 """
 
 import asyncio
@@ -36,7 +37,7 @@ async def main() -> None:
             if scenario == "skip":
                 await comm.wait_view_change(timeout=30)
             elif scenario == "busy":
-                compute(3 * timeout)
+                compute(2 * timeout + 1)  # past the others' timeout and SIGUSR1
             else:
                 try:
                     await comm.recv(0, tag=0, timeout=30)
@@ -47,9 +48,8 @@ async def main() -> None:
             await comm.all_reduce(x)  # collective #3: rank 2 is not there
         except DsmlError as exc:
             print(f"rank {comm.rank}: {type(exc).__name__}")
-            if comm.rank == 0:
-                for rank in getattr(exc, "missing", []):
-                    os.kill(int(pids[rank]), signal.SIGUSR1)
+            for rank in getattr(exc, "missing", None) or []:
+                os.kill(int(pids[rank]), signal.SIGUSR1)
 
 
 asyncio.run(main())
