@@ -88,8 +88,7 @@ def verdict(records: dict[int, Record]) -> Verdict:
     )
     if not suspects:
         suspects = [r for r in range(world) if r not in waiters]
-    waited = f"{_ranks(waiters)} waited in #{cid} {kind}"
-    lines = [_about(s, records.get(s), seen.get(s), waited, cid, kind) for s in suspects]
+    lines = [_about(s, records.get(s), seen.get(s), waiters, cid, kind) for s in suspects]
     if not suspects:
         lines.append(f"{_ranks(waiters)} failed in #{cid} {kind}; no rank was found missing")
     missing_files = [r for r in range(world) if r not in records]
@@ -106,11 +105,12 @@ def _about(
     rank: int,
     record: Record | None,
     seen: dict[str, Any] | None,
-    waited: str,
+    waiters: list[int],
     cid: int,
     kind: str,
 ) -> str:
-    """One suspect's line."""
+    """One suspect's line (`seen`: where the waiters' probes saw it)."""
+    waited = f"{_ranks(waiters)} waited in #{cid} {kind}"
     last = _last_call(record) if record is not None else None
     if last is not None:
         its_last = f"its last collective is #{last['cid']} ({_call(last)})"
@@ -125,7 +125,7 @@ def _about(
         r = receives[0]
         return (
             f"rank {rank} waits in recv from rank {r['peer']} (tag {r['tag']}, for "
-            f"{r['waiting_s']:.1f} s) while {_ranks_of(waited)} wait in collective #{cid} "
+            f"{r['waiting_s']:.1f} s) while {_ranks(waiters)} wait in collective #{cid} "
             f"{kind}; {its_last}"
         )
     main = record.get("main_thread") if record is not None else None
@@ -198,11 +198,6 @@ def _ranks(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(str(r) for r in ranks)
-
-
-def _ranks_of(waited: str) -> str:
-    """ "ranks 0, 1, 3" out of "ranks 0, 1, 3 waited in ..."."""
-    return waited.split(" waited in ")[0]
 
 
 def _kind(seen: dict[str, Any]) -> str:
