@@ -144,13 +144,24 @@ def install_signal_handler() -> bool:
     return True
 
 
+_dumping = False  # a SIGUSR1 that comes while one is handled is dropped (it would nest)
+
+
 def _on_signal(_signum: int, frame: FrameType | None) -> None:
-    # Runs between bytecodes of the main thread: it must never raise into that code.
-    for recorder in list(_RECORDERS):
-        try:
-            recorder.signalled(frame)
-        except Exception as exc:
-            _say(f"dsml: flight record not written: {exc!r}")
+    # Runs between bytecodes of the main thread: it must never raise into that code, nor
+    # run inside itself (a second signal would find the first one's frames, and its file).
+    global _dumping
+    if _dumping:
+        return
+    _dumping = True
+    try:
+        for recorder in list(_RECORDERS):
+            try:
+                recorder.signalled(frame)
+            except Exception as exc:
+                _say(f"dsml: flight record not written: {exc!r}")
+    finally:
+        _dumping = False
 
 
 def _call(record: CallRecord, now: float) -> dict[str, Any]:
