@@ -71,6 +71,9 @@ class CommConfig:
             ranks that differ fail with `CollectiveMismatchError`.
         shm_max_bytes: the most /dev/shm one rank's data segment may take; a collective
             that needs more goes over TCP (one warning).
+        flight_dir: where the root communicator writes this rank's flight record on a
+            timeout, a collective failure and SIGUSR1 (`DSML_FLIGHT_DIR`; None: off;
+            docs/observability.md).
     """
 
     timeout: float = 120.0
@@ -90,6 +93,7 @@ class CommConfig:
     shm: bool = True
     shm_stage_bytes: int = 8 * _MiB
     shm_max_bytes: int = 1024 * _MiB
+    flight_dir: str | None = None
 
     def __post_init__(self) -> None:
         _require(

@@ -1,4 +1,4 @@
-"""The `dsml` command (cli layer): registry, worker, run, bench, status, keys.
+"""The `dsml` command (cli layer): registry, worker, run, bench, status, keys, flight.
 
 The CLI is an edge: it reads flags and `DSML_*` variables once and passes frozen
 configuration inward. Two options hold for every command and are added here, so each
@@ -19,11 +19,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from .. import log
 from .._version import __version__
 from ..errors import DsmlError
-from . import bench, keys, registry_cmd, run, status, worker
+from . import bench, flight, keys, registry_cmd, run, status, worker
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (registry_cmd, worker, run, bench, status, keys)
+_COMMANDS = (registry_cmd, worker, run, bench, status, keys, flight)
 _LOG_LEVEL_HELP = "debug, info, warning or error (default: $DSML_LOG_LEVEL, else warning)"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +55,8 @@ class CallTable:
         self.config = config
         self.mailbox: Mailbox[Item] = Mailbox()
         self.calls: dict[tuple[int, int], Call] = {}
-        self.receives: set[Call] = set()  # point-to-point receives in flight
+        #: point-to-point receives in flight, and since when (perf_counter: flight records)
+        self.receives: dict[Call, float] = {}
         self.next_cid = 1
         self.turns_taken = 0  # collective ids taken in every epoch (next_cid restarts)
         self.counters: Counter[str] = Counter()
@@ -164,10 +166,10 @@ class CallTable:
         self.counters["late"] += self.mailbox.discard((call.epoch, call.cid))
 
     def add_receive(self, receive: Call) -> None:
-        self.receives.add(receive)
+        self.receives[receive] = time.perf_counter()
 
     def end_receive(self, receive: Call) -> None:
-        self.receives.discard(receive)
+        self.receives.pop(receive, None)
 
     def abort(self, call: Call, reason: str, message: str, ranks: Sequence[int] = ()) -> None:
         """Tell every peer that `call` failed here, so they fail it too instead of waiting."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from os import PathLike
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -303,6 +304,13 @@ class Communicator:
         docs/observability.md.
         """
         return [record.as_dict() for record in self._session.runner.stats.recent]
+
+    def dump_flight_record(self, path: str | PathLike[str]) -> Path:
+        """Write this rank's flight record (its recent calls, whom they waited for, its
+        receives in flight, who it is) to `path` as JSON; a directory gets
+        `rank<R>-pid<P>.json` in it. Returns the file written. `dsml flight DIR` reads a
+        job's records; see docs/observability.md."""
+        return self._session.runner.flight.dump(path)
 
     def trace(self) -> dict[str, Any]:
         """The recent collectives, and the engine's ops when it records them

@@ -78,6 +78,9 @@ def _resolve(
         config = dataclasses.replace(config, shm=True)
     elif shm not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
         raise ConfigError(f"DSML_SHM={env['DSML_SHM']!r}: use 1 (on, the default) or 0 (off)")
+    flight_dir = env.get("DSML_FLIGHT_DIR", "").strip()
+    if flight_dir and config.flight_dir is None:
+        config = dataclasses.replace(config, flight_dir=flight_dir)
     return _JoinArgs(plan, name, config, spec, bind, ifname)
 
 

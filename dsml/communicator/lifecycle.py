@@ -24,6 +24,7 @@ from ..membership import RegistryClient, View
 from ..wire import Envelope, Fingerprint
 from .call_table import CallTable
 from .communicator import Communicator
+from .flight import install_signal_handler
 from .groups import Groups
 from .links import PeerLinks
 from .placement import Placement
@@ -63,8 +64,21 @@ def open_root(
     demux = Demux(table.inbound)  # the root's messages, and its sub-groups'
     loop = asyncio.get_running_loop()
     session = Session(
-        config, loop, tasks, registry, links, table, views, placement, auto, shm, demux
+        config,
+        loop,
+        tasks,
+        registry,
+        links,
+        table,
+        views,
+        placement,
+        auto,
+        shm,
+        demux,
+        flight_dir=config.flight_dir,
     )
+    if config.flight_dir:
+        install_signal_handler()  # SIGUSR1 writes the record (main thread only)
     views.listeners.append(lambda _old, new: shm.set_view(new))
     views.listeners.append(lambda _old, _new: session.p2p.reset())
     views.listeners.append(lambda _old, _new: demux.new_epoch())

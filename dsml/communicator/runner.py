@@ -32,6 +32,7 @@ from .call import Call
 from .call_table import CallTable
 from .collective_handle import CollectiveHandle, cancel_on_close
 from .deadlines import Deadlines
+from .flight import FlightRecorder
 from .plans import Planner, Request
 from .progress import ProgressLog
 from .runner_calls import RunnerCalls
@@ -55,6 +56,7 @@ class Runner(RunnerCalls):
         tasks: TaskOwner,
         config: CommConfig,
         loop: asyncio.AbstractEventLoop,
+        flight_dir: str | None = None,
     ) -> None:
         self.closed = False
         self._cancel_aborts: dict[int, asyncio.TimerHandle] = {}  # cid -> pending abort
@@ -71,6 +73,7 @@ class Runner(RunnerCalls):
         self._waiting: set[asyncio.Task[Any]] = set()  # ... and their tasks
         self._admission = asyncio.Lock()
         self.stats = CallStats()  # the recent calls and where their time went
+        self.flight = FlightRecorder(table, self.stats, flight_dir)  # written on failures
         self._deadlines = Deadlines(loop, float(config.timeout))
         self._progress = ProgressLog(table, loop, config.progress_after, config.probe_timeout)
 

@@ -19,12 +19,13 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ..errors import CollectiveError, CollectiveTimeoutError, ProtocolError
+from ..errors import CollectiveError, CollectiveTimeoutError, DsmlError, ProtocolError
 from .call import Call, DeadlinePassed
 from .call_table import CallTable
 from .collective_handle import CollectiveHandle
 from .deadlines import Deadlines
 from .diagnose import timeout_message
+from .flight import FlightRecorder
 from .plans import Plan
 from .progress import ProgressLog
 from .stats import CallStats, profiler_span
@@ -51,6 +52,7 @@ class RunnerCalls:
     # Set by `Runner.__init__`.
     closed: bool
     stats: CallStats
+    flight: FlightRecorder
     _cancel_aborts: dict[int, asyncio.TimerHandle]  # cid -> pending abort
     _table: CallTable
     _tasks: TaskOwner
@@ -72,6 +74,8 @@ class RunnerCalls:
         except BaseException as exc:
             cancelled = isinstance(exc, asyncio.CancelledError)
             record.outcome = "cancelled" if cancelled else type(exc).__name__
+            if isinstance(exc, DsmlError):  # a timeout, an abort, a lost peer, ...
+                self.flight.failed(f"{record.outcome} in {fp.collective} #{call.cid}", str(exc))
             raise
         finally:
             record.end = time.perf_counter()
@@ -170,8 +174,10 @@ class RunnerCalls:
                 raise call.failure
             return await body
         except DeadlinePassed:
+            message = f"{what} timed out after {call.timeout:g} s on rank {self._table.rank}"
+            self.flight.failed(f"CollectiveTimeoutError in {what}", message)
             raise CollectiveTimeoutError(
-                f"{what} timed out after {call.timeout:g} s on rank {self._table.rank}: {hint}",
+                f"{message}: {hint}",
                 missing=[call.peer] if call.peer is not None else [],
                 rank=self._table.rank,
                 epoch=call.epoch,

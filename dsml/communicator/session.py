@@ -69,6 +69,7 @@ class Session:
         auto: AutoChooser | None = None,
         shm: ShmHook | None = None,
         demux: Demux | None = None,
+        flight_dir: str | None = None,
     ) -> None:
         self.config = config
         self.loop = loop
@@ -81,8 +82,9 @@ class Session:
         self.auto = auto  # None on a sub-group: the size table decides there
         self.shm = shm  # None on a sub-group: its calls run over the links
         self.demux = demux  # the root's: its peer messages and its sub-groups'
+        # flight_dir: the root's writes flight records there (sub-groups' only on request)
         planner = Planner(config.chunk_bytes, placement, auto, shm)
-        self.runner = Runner(table, views, planner, tasks, config, loop)
+        self.runner = Runner(table, views, planner, tasks, config, loop, flight_dir)
         self.p2p = PointToPoint(table, self.placement, tasks)
         self.engine_link = EngineLink(
             self.runner, self.start, self.where, trace=config.engine_trace
