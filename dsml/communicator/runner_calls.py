@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -57,6 +58,7 @@ class RunnerCalls:
     _loop: asyncio.AbstractEventLoop
     _deadlines: Deadlines
     _progress: ProgressLog
+    unclaimed: weakref.WeakSet[CollectiveHandle[Any]]
 
     async def _run(self, call: Call, plan: Plan) -> Any:
         """Run the call, recording its time split (`comm.stats()`); one debug line each."""
@@ -160,7 +162,7 @@ class RunnerCalls:
         call.task.add_done_callback(lambda _t: body.close())
         if receive:
             call.task.add_done_callback(lambda _t: self._table.end_receive(call))
-        return CollectiveHandle(call.task, call.fingerprint.collective, 0)
+        return CollectiveHandle(call.task, call.fingerprint.collective, 0, self.unclaimed)
 
     async def _run_p2p(self, call: Call, body: Coroutine[Any, Any, T], what: str, hint: str) -> T:
         deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())
