@@ -33,9 +33,13 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-__all__ = ["CollectiveHandle", "call_site", "caller_site"]
+__all__ = ["CollectiveHandle", "Unclaimed", "call_site", "caller_site"]
 
 T = TypeVar("T")
+
+#: a communicator's handles nobody took the result of yet, by id (weak references, plain
+#: dict: cheaper per call than a WeakSet; a handle leaves it when claimed or collected)
+Unclaimed = dict[int, "weakref.ref[CollectiveHandle[Any]]"]
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])  # .../dsml: frames there are ours
 
@@ -73,7 +77,7 @@ class CollectiveHandle(Generic[T]):
         task: asyncio.Task[T],
         collective: str,
         cid: int,
-        unclaimed: weakref.WeakSet[CollectiveHandle[Any]] | None = None,
+        unclaimed: Unclaimed | None = None,
     ) -> None:
         self._task = task
         self.collective = collective
@@ -83,7 +87,7 @@ class CollectiveHandle(Generic[T]):
         self._site = call_site.get() or caller_site()
         self._unclaimed = unclaimed  # the communicator's, named when it closes
         if unclaimed is not None:
-            unclaimed.add(self)
+            unclaimed[id(self)] = weakref.ref(self)
 
     @property
     def site(self) -> str:
@@ -100,12 +104,16 @@ class CollectiveHandle(Generic[T]):
         if not self._claimed:
             self._claimed = True
             if self._unclaimed is not None:
-                self._unclaimed.discard(self)
+                self._unclaimed.pop(id(self), None)
 
     def __del__(self) -> None:
         # As asyncio warns of a coroutine never awaited: a forgotten `await` would leave
         # the array written at some later, unpredictable point, with no other sign.
-        if self._claimed or self._task.cancelled():
+        if self._claimed:
+            return
+        if self._unclaimed is not None:
+            self._unclaimed.pop(id(self), None)  # before its id can be reused
+        if self._task.cancelled():
             return
         warnings.warn(
             f"dsml collective {self.describe()} was never awaited: its result (the array "

@@ -25,7 +25,6 @@ import functools
 import logging
 import math
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,7 +33,13 @@ from ..engine import current_op
 from ..errors import CollectiveError, ConcurrentCallsError, ConfigError, DsmlError
 from .call import Call
 from .call_table import CallTable
-from .collective_handle import CollectiveHandle, call_site, caller_site, cancel_on_close
+from .collective_handle import (
+    CollectiveHandle,
+    Unclaimed,
+    call_site,
+    caller_site,
+    cancel_on_close,
+)
 from .deadlines import Deadlines
 from .plans import Planner, Request
 from .progress import ProgressLog
@@ -77,7 +82,7 @@ class Runner(RunnerCalls):
         self._waiting: set[asyncio.Task[Any]] = set()  # ... and their tasks
         self._admission = asyncio.Lock()
         #: handles of calls whose result nobody took yet (named when the communicator closes)
-        self.unclaimed: weakref.WeakSet[CollectiveHandle[Any]] = weakref.WeakSet()
+        self.unclaimed: Unclaimed = {}
         #: the thread (not the loop's) whose calls are in flight, and how many: calls from
         #: two threads at once have no order the ranks agree on (see `_check_thread`)
         self._thread: threading.Thread | None = None
@@ -299,7 +304,10 @@ class Runner(RunnerCalls):
 
     def _report_unclaimed(self) -> None:
         """Closing: name the calls whose results were never awaited (a log warning)."""
-        calls = sorted((h for h in self.unclaimed if not h.cancelled()), key=lambda h: h.cid)
+        handles = [ref() for ref in list(self.unclaimed.values())]
+        calls = sorted(
+            (h for h in handles if h is not None and not h.cancelled()), key=lambda h: h.cid
+        )
         if calls:
             log.warning(
                 "closing with %d collective(s) whose results were never awaited: %s",

@@ -16,14 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ..errors import CollectiveError, CollectiveTimeoutError, ProtocolError
 from .call import Call, DeadlinePassed
 from .call_table import CallTable
-from .collective_handle import CollectiveHandle
+from .collective_handle import CollectiveHandle, Unclaimed
 from .deadlines import Deadlines
 from .diagnose import timeout_message
 from .plans import Plan
@@ -58,7 +57,7 @@ class RunnerCalls:
     _loop: asyncio.AbstractEventLoop
     _deadlines: Deadlines
     _progress: ProgressLog
-    unclaimed: weakref.WeakSet[CollectiveHandle[Any]]
+    unclaimed: Unclaimed
 
     async def _run(self, call: Call, plan: Plan) -> Any:
         """Run the call, recording its time split (`comm.stats()`); one debug line each."""
