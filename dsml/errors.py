@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "ConcurrentCallsError",
     "ConfigError",
     "DependencyFailedError",
     "DsmlError",
@@ -39,6 +40,12 @@ class DsmlError(Exception):
 class ConfigError(DsmlError, ValueError):
     """An argument, setting or local input is invalid; no data was sent (a refused
     collective still takes its turn, so the peers' matching call fails too)."""
+
+
+class ConcurrentCallsError(ConfigError):
+    """A collective was called from a thread while calls made from another thread were
+    still in flight on the same communicator: such calls have no order every rank
+    shares. The refused call took no collective id and sent nothing."""
 
 
 class ProtocolError(DsmlError):

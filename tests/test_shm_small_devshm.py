@@ -36,16 +36,16 @@ def _why_not() -> str | None:
     return None if probe.returncode == 0 else "this kernel refuses a private mount namespace"
 
 
-@pytest.mark.timeout(120)
-def test_a_64_mib_dev_shm_runs_large_arrays_over_tcp_exactly_with_one_warning_per_rank():
-    reason = _why_not()
-    if reason is not None:
-        pytest.skip(reason)
-    sizes = " ".join(str(s) for s in SIZES_MIB)
+def _run_in_small_dev_shm(fill_mib: int, ranks: int, sizes_mib: tuple[int, ...]) -> str:
+    """Run `dsml run -n ranks shm_room.py sizes` in a 64 MiB /dev/shm of which fill_mib
+    are taken by a file (removed after); returns the output, ending LEFT=<names left>."""
+    sizes = " ".join(str(s) for s in sizes_mib)
+    fill = f"dd if=/dev/zero of=/dev/shm/filler bs=1M count={fill_mib} 2>/dev/null; "
     script = (
         "set -e; mount -t tmpfs -o size=64m dsml-test /dev/shm; "
-        f"{sys.executable} -m dsml run -n 4 tests/scripts/shm_room.py {sizes}; "
-        "echo LEFT=$(ls -A /dev/shm | wc -l)"
+        + (fill if fill_mib else "")
+        + f"{sys.executable} -m dsml run -n {ranks} tests/scripts/shm_room.py {sizes}; "
+        "rm -f /dev/shm/filler; echo LEFT=$(ls -A /dev/shm | wc -l)"
     )
     env = {**os.environ, "DSML_SHM": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -59,10 +59,23 @@ def test_a_64_mib_dev_shm_runs_large_arrays_over_tcp_exactly_with_one_warning_pe
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
+    return out
+
+
+def _oks(out: str) -> list[dict]:
     events = [
         json.loads(line[line.index("{") :]) for line in out.splitlines() if '{"event"' in line
     ]
-    oks = [e for e in events if e["event"] == "ok"]
+    return [e for e in events if e["event"] == "ok"]
+
+
+@pytest.mark.timeout(120)
+def test_a_64_mib_dev_shm_runs_large_arrays_over_tcp_exactly_with_one_warning_per_rank():
+    reason = _why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    out = _run_in_small_dev_shm(0, 4, SIZES_MIB)
+    oks = _oks(out)
     assert len(oks) == 4 * len(SIZES_MIB), out
     assert all(e["exact"] for e in oks), out
     ran = {mib: {e["ran"] for e in oks if e["mib"] == mib} for mib in SIZES_MIB}
@@ -72,3 +85,21 @@ def test_a_64_mib_dev_shm_runs_large_arrays_over_tcp_exactly_with_one_warning_pe
     warnings = [line for line in out.splitlines() if WARNING in line]
     assert len(warnings) == 4, out  # once per rank, not once per call
     assert "LEFT=0" in out, out
+
+
+# 2 MiB free: no rank has room for its link's control segment (2 MiB and a header);
+# 3 MiB free: the first rank to make its own takes the room, the other finds none.
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("free_mib", [2, 3])
+def test_a_nearly_full_dev_shm_runs_a_64_mib_all_reduce_over_tcp_on_every_rank(free_mib):
+    reason = _why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    out = _run_in_small_dev_shm(64 - free_mib, 2, (1, 64))
+    oks = _oks(out)
+    assert len(oks) == 2 * 2, out  # no CollectiveAbortedError: every call ran
+    assert all(e["exact"] for e in oks), out
+    assert {e["ran"] for e in oks} == {"ring"}, out  # TCP on every rank, both sizes
+    warnings = [line for line in out.splitlines() if "no room in shared memory for" in line]
+    assert len(warnings) == 2, out  # one per rank
+    assert "LEFT=0" in out, out  # markers and segments removed

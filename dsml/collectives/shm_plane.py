@@ -113,6 +113,9 @@ class SameHost:
         self._me = -1
         self._epoch = 0
         self._link: ShmLink | None = None
+        #: why this epoch has no link (a rank had no room for its end), once known: every
+        #: call of the epoch then goes over TCP, on every rank alike
+        self._no_room: ShmFullError | None = None
         self._warned = False
         self.calls = 0  # calls run in shared memory (tests and diagnosis)
         #: fault injection (dsml.testing): members whose data link is cut, by member id
@@ -196,9 +199,17 @@ class SameHost:
         return result
 
     async def _connected(self, unless: Unless) -> ShmLink:
+        """The connected link; ShmFullError when this epoch has none for want of room on
+        some rank (that rank leaves a marker its peers see, so all of them agree)."""
+        if self._no_room is not None:
+            raise self._no_room
         link = self._link if self._link is not None else self._make_link()
         if not link.connected:
-            await link.wait_connected(unless)
+            try:
+                await link.wait_connected(unless)
+            except ShmFullError as exc:
+                self._no_room = exc
+                raise
         return link
 
     def _make_link(self) -> ShmLink:
@@ -211,13 +222,25 @@ class SameHost:
             max_data_bytes=self.max_data_bytes,
             spin_s=self._spin_s,
         )
+        self._link = link  # kept when it fails: its marker tells the peers, until close()
         try:
             link.create()
-        except ShmFullError:
-            link.close()
+        except ShmFullError as exc:
+            self._no_room = exc
             raise
-        self._link = link
         return link
+
+    def warn_no_link(self, error: ShmFullError) -> None:
+        """Say once per communicator that this epoch's calls go over TCP: some rank had no
+        room for its end of the link."""
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "no room in shared memory for this host's link (%s): collectives go over "
+                "TCP on every rank until the group changes. Free /dev/shm, give the "
+                "container a larger one (e.g. docker --shm-size=1g), or set DSML_SHM=0",
+                error.strerror or error,
+            )
 
     def warn_no_room(self, nbytes: int) -> None:
         """Say once per communicator that an array went over TCP for want of room."""
@@ -234,6 +257,7 @@ class SameHost:
 
     def close(self) -> None:
         """Unmap the link and remove this rank's segments."""
+        self._no_room = None
         if self._link is not None:
             self._link.close()
             self._link = None

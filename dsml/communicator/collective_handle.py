@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from ..errors import CollectiveAbortedError
@@ -29,9 +33,32 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-__all__ = ["CollectiveHandle"]
+__all__ = ["CollectiveHandle", "Unclaimed", "call_site", "caller_site"]
 
 T = TypeVar("T")
+
+#: a communicator's handles nobody took the result of yet, by id (weak references, plain
+#: dict: cheaper per call than a WeakSet; a handle leaves it when claimed or collected)
+Unclaimed = dict[int, "weakref.ref[CollectiveHandle[Any]]"]
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # .../dsml: frames there are ours
+
+#: where a call handed over from another thread was made (set by `Runner.on_loop`, whose
+#: start runs on the loop thread, far from the caller's frames)
+call_site: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "dsml_call_site", default=None
+)
+
+
+def caller_site(depth: int = 2) -> tuple[str, int]:
+    """(file, line) of the first frame outside dsml above the caller: where the user made
+    the call. A walk of a few frames, no traceback: cheap enough for every call."""
+    frame: Any = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    if frame is None:
+        return ("<unknown>", 0)
+    return frame.f_code.co_filename, frame.f_lineno
 
 
 class CollectiveHandle(Generic[T]):
@@ -43,14 +70,60 @@ class CollectiveHandle(Generic[T]):
     cancellation the ranks' copies of that data may differ; this rank's input is intact.
     """
 
-    __slots__ = ("_task", "cid", "collective")
+    __slots__ = ("__weakref__", "_claimed", "_site", "_task", "_unclaimed", "cid", "collective")
 
-    def __init__(self, task: asyncio.Task[T], collective: str, cid: int) -> None:
+    def __init__(
+        self,
+        task: asyncio.Task[T],
+        collective: str,
+        cid: int,
+        unclaimed: Unclaimed | None = None,
+    ) -> None:
         self._task = task
         self.collective = collective
         self.cid = cid
+        #: awaited, its result or exception asked for, or cancelled: not "never awaited"
+        self._claimed = False
+        self._site = call_site.get() or caller_site()
+        self._unclaimed = unclaimed  # the communicator's, named when it closes
+        if unclaimed is not None:
+            unclaimed[id(self)] = weakref.ref(self)
+
+    @property
+    def site(self) -> str:
+        """Where the call was made ("file:line", the first frame outside dsml)."""
+        return f"{self._site[0]}:{self._site[1]}"
+
+    def describe(self) -> str:
+        """The call and where it was made, for warnings: "all_reduce #3 (train.py:12)"."""
+        return f"{self.collective} #{self.cid} (made at {self.site})"
+
+    def claim(self) -> None:
+        """Say the result is taken care of: awaited here, or by whoever this handle is
+        handed to (an engine op). Every way of taking the result calls it."""
+        if not self._claimed:
+            self._claimed = True
+            if self._unclaimed is not None:
+                self._unclaimed.pop(id(self), None)
+
+    def __del__(self) -> None:
+        # As asyncio warns of a coroutine never awaited: a forgotten `await` would leave
+        # the array written at some later, unpredictable point, with no other sign.
+        if self._claimed:
+            return
+        if self._unclaimed is not None:
+            self._unclaimed.pop(id(self), None)  # before its id can be reused
+        if self._task.cancelled():
+            return
+        warnings.warn(
+            f"dsml collective {self.describe()} was never awaited: its result (the array "
+            "it writes) lands at an unpredictable point; await the handle (or cancel it)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def __await__(self) -> Generator[Any, None, T]:
+        self.claim()
         try:
             return (yield from self._task.__await__())
         except asyncio.CancelledError:
@@ -82,6 +155,7 @@ class CollectiveHandle(Generic[T]):
 
     def result(self) -> T:
         """The result; raises if the collective failed or is not done."""
+        self.claim()
         try:
             return self._task.result()
         except asyncio.CancelledError:
@@ -89,6 +163,7 @@ class CollectiveHandle(Generic[T]):
             raise
 
     def exception(self) -> BaseException | None:
+        self.claim()
         try:
             return self._task.exception()
         except asyncio.CancelledError:
@@ -99,6 +174,7 @@ class CollectiveHandle(Generic[T]):
 
     def cancel(self, msg: str | None = None) -> bool:
         """Cancel here and abort the collective on the ranks still waiting for it."""
+        self.claim()
         return self._task.cancel(msg)
 
     def add_done_callback(self, fn: Callable[[CollectiveHandle[T]], object]) -> None:

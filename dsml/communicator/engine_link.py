@@ -101,6 +101,7 @@ class EngineLink:
             except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 started.append(exc)
                 return
+            started[0].claim()  # complete() awaits it (or the engine cancels it)
             if cancelled:
                 started[0].cancel()
 
@@ -169,6 +170,7 @@ class EngineLink:
             except DsmlError as exc:  # the id was taken all the same: comm.var stays clean
                 issued.append(exc)
                 return
+            call.claim()  # wait() awaits it, or cancels it if given up: not the user's
             issued.append(call)
             handle.cid, handle.collective = call.cid, call.collective
             if abandoned:
@@ -206,7 +208,7 @@ class EngineLink:
             return await outcome
 
         handle: CollectiveHandle[Any] = CollectiveHandle(
-            asyncio.get_running_loop().create_task(wait()), "queued", 0
+            asyncio.get_running_loop().create_task(wait()), "queued", 0, self._runner.unclaimed
         )
         return handle
 

@@ -145,9 +145,7 @@ class MovementPlans(PlannerBase):
         shm = self._shm if self._shm is not None and self._shm.claim(NUMPY) else None
 
         async def body(call: Call) -> None:
-            if call.size > 1 and shm is not None:
-                await shm.barrier(call)
-            elif call.size > 1:
+            if call.size > 1 and (shm is None or not await shm.barrier(call)):
                 await barrier_dissemination(call)
 
         return Plan(Fingerprint("barrier"), body)

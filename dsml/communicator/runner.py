@@ -22,15 +22,24 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
+import logging
 import math
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..config import CommConfig
-from ..errors import CollectiveError, ConfigError, DsmlError
+from ..engine import current_op
+from ..errors import CollectiveError, ConcurrentCallsError, ConfigError, DsmlError
 from .call import Call
 from .call_table import CallTable
-from .collective_handle import CollectiveHandle, cancel_on_close
+from .collective_handle import (
+    CollectiveHandle,
+    Unclaimed,
+    call_site,
+    caller_site,
+    cancel_on_close,
+)
 from .deadlines import Deadlines
 from .flight import FlightRecorder
 from .plans import Planner, Request
@@ -43,6 +52,8 @@ from .view_changes import Views
 __all__ = ["Deadlines", "Runner"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("dsml.communicator")
 
 
 class Runner(RunnerCalls):
@@ -72,6 +83,12 @@ class Runner(RunnerCalls):
         self._deferred = 0  # calls waiting for a change of view, in program order
         self._waiting: set[asyncio.Task[Any]] = set()  # ... and their tasks
         self._admission = asyncio.Lock()
+        #: handles of calls whose result nobody took yet (named when the communicator closes)
+        self.unclaimed: Unclaimed = {}
+        #: the thread (not the loop's) whose calls are in flight, and how many: calls from
+        #: two threads at once have no order the ranks agree on (see `_check_thread`)
+        self._thread: threading.Thread | None = None
+        self._thread_calls: list[Any] = []  # their handles (done ones pruned when checked)
         self.stats = CallStats()  # the recent calls and where their time went
         self.flight = FlightRecorder(table, self.stats, flight_dir)  # written on failures
         self._deadlines = Deadlines(loop, float(config.timeout))
@@ -119,10 +136,15 @@ class Runner(RunnerCalls):
             )
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         context = contextvars.copy_context()
+        context.run(call_site.set, caller_site())  # the user's frame is in this thread
+        thread = threading.current_thread()
 
         def call() -> None:
             try:
-                done.set_result(context.run(start))
+                self._check_thread(thread, context)
+                started = context.run(start)
+                self._count_thread_call(thread, context, started)
+                done.set_result(started)
             except BaseException as exc:  # handed to the calling thread, which raises it
                 done.set_exception(exc)
 
@@ -131,6 +153,35 @@ class Runner(RunnerCalls):
         except RuntimeError:  # closed meanwhile
             raise ConfigError("the communicator's event loop is closed") from None
         return done.result()
+
+    def _check_thread(self, thread: threading.Thread, context: contextvars.Context) -> None:
+        """Refuse a call from this thread while calls made from another one are in flight
+        (runs on the loop, so checks never race). Calls in two threads have no order
+        every rank shares: rank 0 could issue A's then B's, rank 1 B's then A's, and
+        same-shaped calls would pair wrongly (wrong sums, no error). Calls made inside an
+        engine op are ordered by the engine (`comm.var`) and are not counted."""
+        self._thread_calls = [h for h in self._thread_calls if not h.done()]
+        if not self._thread_calls:
+            self._thread = None
+        owner = self._thread
+        if owner is None or owner is thread or _in_engine_op(context):
+            return
+        raise ConcurrentCallsError(
+            f"a collective was called from thread {thread.name!r} while calls made from "
+            f"thread {owner.name!r} are still in flight on rank {self._table.rank}: calls "
+            "must come in one order on every rank, so make them from one thread at a time "
+            "(wait for one thread's calls before another calls), or push them into "
+            "comm.engine with comm.var"
+        )
+
+    def _count_thread_call(
+        self, thread: threading.Thread, context: contextvars.Context, started: object
+    ) -> None:
+        """Count a call made from another thread in flight until its handle is done."""
+        if not hasattr(started, "done") or _in_engine_op(context):
+            return
+        self._thread = thread
+        self._thread_calls.append(started)
 
     def fail(self, error: DsmlError) -> None:
         """The communicator is broken: fail every call in flight, and every later one."""
@@ -155,10 +206,10 @@ class Runner(RunnerCalls):
             task = self._tasks.spawn(self._admit_then_run(request), watched=False)
             self._waiting.add(task)
             task.add_done_callback(self._waiting.discard)
-            return CollectiveHandle(task, request.collective, 0)
+            return CollectiveHandle(task, request.collective, 0, self.unclaimed)
         call = self._start(request)
         assert call.task is not None
-        return CollectiveHandle(call.task, call.fingerprint.collective, call.cid)
+        return CollectiveHandle(call.task, call.fingerprint.collective, call.cid, self.unclaimed)
 
     async def _admit_then_run(self, request: Request) -> Any:
         try:
@@ -243,6 +294,7 @@ class Runner(RunnerCalls):
         """Refuse new calls and cancel every call in flight (the peers are told): closing
         the communicator gives them up, as the user's cancel would."""
         self.closed = True
+        self._report_unclaimed()
         self._deadlines.close()
         self._progress.close()
         tasks = [c.task for c in self._table.calls.values() if c.task is not None]
@@ -253,6 +305,25 @@ class Runner(RunnerCalls):
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
 
+    def _report_unclaimed(self) -> None:
+        """Closing: name the calls whose results were never awaited (a log warning)."""
+        handles = [ref() for ref in list(self.unclaimed.values())]
+        calls = sorted(
+            (h for h in handles if h is not None and not h.cancelled()), key=lambda h: h.cid
+        )
+        if calls:
+            log.warning(
+                "closing with %d collective(s) whose results were never awaited: %s",
+                len(calls),
+                ", ".join(h.describe() for h in calls),
+                extra={"rank": self._table.rank},
+            )
+
     def __repr__(self) -> str:
         state = " closed" if self.closed else " broken" if self.broken else ""
         return f"<Runner deferred={self._deferred} tasks={len(self._tasks)}{state}>"
+
+
+def _in_engine_op(context: contextvars.Context) -> bool:
+    """Whether the call comes from inside an engine op (the engine orders it)."""
+    return context.run(current_op) is not None

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from ..errors import CollectiveError, CollectiveTimeoutError, DsmlError, ProtocolError
 from .call import Call, DeadlinePassed
 from .call_table import CallTable
-from .collective_handle import CollectiveHandle
+from .collective_handle import CollectiveHandle, Unclaimed
 from .deadlines import Deadlines
 from .diagnose import timeout_message
 from .flight import FlightRecorder
@@ -59,6 +59,7 @@ class RunnerCalls:
     _loop: asyncio.AbstractEventLoop
     _deadlines: Deadlines
     _progress: ProgressLog
+    unclaimed: Unclaimed
 
     async def _run(self, call: Call, plan: Plan) -> Any:
         """Run the call, recording its time split (`comm.stats()`); one debug line each."""
@@ -164,7 +165,7 @@ class RunnerCalls:
         call.task.add_done_callback(lambda _t: body.close())
         if receive:
             call.task.add_done_callback(lambda _t: self._table.end_receive(call))
-        return CollectiveHandle(call.task, call.fingerprint.collective, 0)
+        return CollectiveHandle(call.task, call.fingerprint.collective, 0, self.unclaimed)
 
     async def _run_p2p(self, call: Call, body: Coroutine[Any, Any, T], what: str, hint: str) -> T:
         deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())

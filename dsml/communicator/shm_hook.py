@@ -124,7 +124,7 @@ class ShmHook:
         def algorithm(group: ShmCall) -> Awaitable[bool]:
             return all_reduce_shm(group, src, dst, op, self._stage_bytes)
 
-        done = await self._run(call, algorithm)
+        done = await self._run(call, algorithm, False)
         if not done:
             self.plane.warn_no_room(src.nbytes)
         return done
@@ -140,7 +140,7 @@ class ShmHook:
         def algorithm(group: ShmCall) -> Awaitable[bool]:
             return all_reduce_hierarchical(group, ring, src, dst, op, self._stage_bytes)
 
-        if not await self._run(call, algorithm):
+        if not await self._run(call, algorithm, False):
             raise CollectiveAbortedError(
                 f"rank {call.rank} has no room in /dev/shm for a {src.nbytes}-byte "
                 "hierarchical all_reduce; enlarge /dev/shm or raise shm_max_bytes, or use "
@@ -151,13 +151,14 @@ class ShmHook:
                 cid=call.cid,
             )
 
-    async def barrier(self, call: Call) -> None:
-        await self._run(call, lambda group: group.sync())
+    async def barrier(self, call: Call) -> bool:
+        """Wait for every rank; False (not waited) when this epoch has no link."""
+        return await self._run(call, lambda group: group.sync(), False)
 
     async def broadcast(self, call: Call, buf: Array, root: int) -> bool:
         """The root's buf into every rank's buf; False (nothing written) for want of room."""
         done = await self._run(
-            call, lambda group: broadcast_shm(group, buf, root, self._stage_bytes)
+            call, lambda group: broadcast_shm(group, buf, root, self._stage_bytes), False
         )
         if not done:
             self.plane.warn_no_room(buf.nbytes)
@@ -167,7 +168,9 @@ class ShmHook:
         self, call: Call, block: Array, rows: int, trailing: tuple[int, ...]
     ) -> Array | None:
         """Every rank's block concatenated (a new array); None for want of room."""
-        result = await self._run(call, lambda group: all_gather_shm(group, block, rows, trailing))
+        result = await self._run(
+            call, lambda group: all_gather_shm(group, block, rows, trailing), None
+        )
         if result is None:
             self.plane.warn_no_room(block.nbytes)
         return result
@@ -177,13 +180,18 @@ class ShmHook:
     ) -> Array | None:
         """This rank's reduced span of src (a new flat array); None for want of room."""
         result = await self._run(
-            call, lambda group: reduce_scatter_shm(group, src, spans, op, self._stage_bytes)
+            call,
+            lambda group: reduce_scatter_shm(group, src, spans, op, self._stage_bytes),
+            None,
         )
         if result is None:
             self.plane.warn_no_room(src.nbytes)
         return result
 
-    async def _run(self, call: Call, algorithm: Callable[[ShmCall], Awaitable[T]]) -> T:
+    async def _run(self, call: Call, algorithm: Callable[[ShmCall], Awaitable[T]], no_link: T) -> T:
+        """Run algorithm in shared memory; `no_link` (nothing done) when this epoch has no
+        link for want of room on some rank: every rank learns it alike (shm_plane.py), so
+        every rank runs the call over TCP instead, with one warning."""
         fp = call.fingerprint
         if fp is not self._record_of[0]:  # plans reuse the fingerprint of repeated calls
             # The staging size too: it sets how the data is cut into pieces, so ranks
@@ -208,14 +216,8 @@ class ShmHook:
                 call.cid, record, algorithm, check, call.failed, _count_wait
             )
         except ShmFullError as exc:
-            raise CollectiveAbortedError(
-                f"rank {call.rank} found no room in /dev/shm for its shared-memory link "
-                f"({exc}); free /dev/shm, enlarge it, or set DSML_SHM=0",
-                origin=call.rank,
-                rank=call.rank,
-                epoch=call.epoch,
-                cid=call.cid,
-            ) from None
+            self.plane.warn_no_link(exc)
+            return no_link
         finally:
             self.release(call)
 

@@ -16,16 +16,18 @@ Synchronisation over these segments, and the entry records of calls, are `ShmLin
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import numpy as np
 
 from ..errors import ProtocolError
-from .shm_segment import Segment, ShmFullError, segment_name, sweep_orphans
+from .shm_segment import SHM_DIR, Segment, ShmFullError, segment_name, sweep_orphans
 from .shm_wake import Waker
 
 __all__ = ["INLINE_BYTES", "MAX_LOCAL", "LinkPeer", "ShmMapping", "Unless"]
@@ -115,6 +117,8 @@ class ShmMapping:
         #: (fingerprint bytes, ok, data generation) last written into each record slot
         self._written: list[tuple[bytes, bool, int] | None] = [None, None]
         self.closed = False
+        #: the empty file saying this rank had no room for its control segment, if so
+        self._marker: Path | None = None
         #: fault injection (dsml.testing): a cut peer's (member id) progress never shows
         self.cut: Callable[[str], bool] | None = None
 
@@ -127,7 +131,11 @@ class ShmMapping:
     def create(self) -> None:
         """Make this rank's control segment (after removing orphans of dead processes)."""
         sweep_orphans()
-        seg = Segment.create(self._name(self.me, "c"), CONTROL_BYTES)
+        try:
+            seg = Segment.create(self._name(self.me, "c"), CONTROL_BYTES)
+        except ShmFullError:
+            self._leave_no_room_marker()
+            raise
         words = np.frombuffer(seg.map, dtype=np.int64, count=HEADER_BYTES // 8)
         words[MAPPED : MAPPED + MAX_LOCAL] = -1
         words[W_MAGIC] = MAGIC
@@ -136,8 +144,29 @@ class ShmMapping:
         self._waker = Waker(self._name(self.me, "w"))
         self._wake_names = [b"\0" + self._name(r, "w").encode() for r in range(self.size)]
 
+    def _leave_no_room_marker(self) -> None:
+        """Say to the peers that this rank has no control segment for want of room: an
+        empty file (it takes an inode, no space), so that every rank of the link gives
+        the link up for this epoch, not only this one (see `wait_connected`)."""
+        path = SHM_DIR / self._name(self.me, "n")
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        except OSError:
+            return  # not even an inode: the peers' first call times out, naming this rank
+        self._marker = path
+
+    def _check_no_room(self, rank: int) -> None:
+        """Raise ShmFullError if rank said it has no room for its control segment."""
+        if (SHM_DIR / self._name(rank, "n")).exists():
+            raise ShmFullError(
+                errno.ENOSPC,
+                f"rank {self.peers[rank].rank} found no room in {SHM_DIR} for its "
+                "shared-memory link",
+            )
+
     async def wait_connected(self, unless: Unless = None) -> None:
-        """Map every peer's control segment (they may still be starting)."""
+        """Map every peer's control segment (they may still be starting); ShmFullError
+        when a peer had no room for its own (it left a marker saying so)."""
         assert self._waker is not None
         self._waker.start()
         delay = 1e-4
@@ -145,6 +174,8 @@ class ShmMapping:
             for rank in range(self.size):
                 if self._control[rank] is None:
                     self._map_control(rank)
+                if self._control[rank] is None:
+                    self._check_no_room(rank)
             if all(c is not None for c in self._control):
                 return
             if unless is None:
@@ -279,6 +310,9 @@ class ShmMapping:
         self._data = [None] * self.size
         if self._waker is not None:
             self._waker.close()
+        if self._marker is not None:
+            self._marker.unlink(missing_ok=True)
+            self._marker = None
 
     def __repr__(self) -> str:
         return (
