@@ -314,7 +314,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def allgather_coalesced(
         self, outputs: list[Tensors], inputs: Tensors, opts: Any = None
     ) -> DsmlWork:
-        """outputs[r][i] = rank r's inputs[i]: one all_gather of the inputs concatenated."""
+        """`outputs[r][i]` is rank r's `inputs[i]`: one all_gather of the inputs joined."""
         timeout = self._timeout(options("allgather", opts))
         wrong = ""
         if len(outputs) != self.size():
