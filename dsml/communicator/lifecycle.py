@@ -32,6 +32,7 @@ from .session import CLOSE_GRACE_S, Session, frame_limit, host_keys
 from .shm_hook import ShmHook
 from .sub_communicator import open_sub
 from .subgroups import Demux
+from .summary import summary
 from .survival import Survival
 from .tasks import TaskOwner
 from .view_changes import ViewChanges
@@ -160,6 +161,7 @@ class RootLife:
             "epoch": links.epoch,
             "started": _described(started),
             "finished": _described(finished),
+            "summary": summary(self._s.runner.stats, links.epoch),
             "counters": {
                 "held": links.held_now,
                 "held_total": counters["held"],

@@ -37,6 +37,7 @@ class Liveness:
     started: list[Any] | None = None  # [epoch, cid, description] of the last started call
     finished: list[Any] | None = None  # ... and of the last finished one
     counters: dict[str, int] = field(default_factory=dict)  # held, dropped, ... messages
+    progress: dict[str, Any] | None = None  # its last progress summary (live.read_summary)
 
 
 def evictable(

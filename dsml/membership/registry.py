@@ -52,6 +52,7 @@ from ..config import RegistryConfig
 from ..errors import ProtocolError
 from ..transport import Endpoint
 from ..wire import Envelope, Kind
+from .live import mark_waited_for
 from .registry_joins import RegistryJoins
 from .registry_liveness import RegistryLiveness
 from .registry_restarts import RegistryRestarts
@@ -60,6 +61,8 @@ from .view import View
 __all__ = ["Registry", "open_registry"]
 
 log = logging.getLogger("dsml.registry")
+
+_SLOW_S = 1.0  # see `status()`
 
 
 class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
@@ -154,7 +157,9 @@ class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
         self._reply(sender, Kind.STATUS_REPLY, self.status())
 
     def status(self) -> dict[str, Any]:
-        """What `dsml status` shows: members with their health and progress, joiners."""
+        """What `dsml status` shows: members with their health and progress (each with its
+        last progress summary and the ranks waiting for it: membership/live.py), joiners,
+        the recent view changes with why."""
         view = self._view
         now = time.monotonic()
         members = []
@@ -170,8 +175,12 @@ class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
                     "started": live.started if live else None,
                     "finished": live.finished if live else None,
                     "counters": dict(live.counters) if live else {},
+                    "progress": live.progress if live else None,
                 }
             )
+        # A call running this long, with peers behind it, counts as waiting for them
+        # before any probe names them (heartbeats are up to an interval apart).
+        waited_for = mark_waited_for(members, max(_SLOW_S, 2 * self.config.heartbeat_interval))
         return {
             "epoch": self._epoch,
             "formed": view is not None,
@@ -189,6 +198,8 @@ class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
             "undelivered_replies": self.undelivered,
             "stalls": self.stalls,
             "views_adopted": self.adopted,
+            "waited_for": waited_for,  # the ranks someone waits for (each has `waited_by`)
+            "views": self.view_log.listing(),
         }
 
     def _target_size(self) -> int:

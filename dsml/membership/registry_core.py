@@ -23,6 +23,7 @@ from ..config import RegistryConfig
 from ..errors import ProtocolError
 from ..transport import Endpoint
 from ..wire import Envelope, Kind
+from .live import ViewLog
 from .liveness import Liveness
 from .pool import WorkerPool
 from .view import Change, Member, View
@@ -67,6 +68,7 @@ class RegistryCore:
         self._view: View | None = None
         self._change = Change()
         self._epoch = 0
+        self.view_log = ViewLog()  # the last views, with why (`status()`)
         self._live: dict[str, Liveness] = {}
         self._evicted: dict[str, int] = {}  # member id -> epoch that dropped it
         #: the last joins refused since a group last formed, with why (`status()`: a member
@@ -109,11 +111,13 @@ class RegistryCore:
 
     # -- publishing -------------------------------------------------------------------------
 
-    def _publish(self, members: tuple[Member, ...], change: Change) -> None:
-        """Make the next view of `members` and send it to each of them."""
+    def _publish(self, members: tuple[Member, ...], change: Change, reason: str = "") -> None:
+        """Make the next view of `members` and send it to each of them (`reason`: why,
+        for `status()`; without it, the change says)."""
         now = time.monotonic()
         if not members:
             log.info("epoch %d ended: no members left; ready for a new group", self._epoch)
+            self.view_log.add(self._epoch, 0, change, reason or "no members left")
             self._view = None
             self._left_seats = 0
             self._live.clear()
@@ -133,6 +137,7 @@ class RegistryCore:
         )
         self._view = View(self._epoch, members)
         self._change = change
+        self.view_log.add(self._epoch, len(members), change, reason)
         self._reports.clear()
         self.views_published += 1
         for member in members:
@@ -188,7 +193,7 @@ class RegistryCore:
             joined=tuple(m.id for m in joiners),
         )
         (log.warning if lost else log.info)("epoch %d ends: %s", self._epoch, reason)
-        self._publish(survivors + joiners, change)
+        self._publish(survivors + joiners, change, reason)
         if self._pending:
             self._schedule_proposal()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ProtocolError
 from ..wire import Envelope, Fields, Kind
+from .live import read_summary
 from .liveness import StallDetector, evictable
 from .registry_core import _HB, RegistryCore
 from .view import Change
@@ -46,12 +47,14 @@ class RegistryLiveness(RegistryCore):
         started = _progress(fields, "started")
         finished = _progress(fields, "finished")
         counters = _counters(env.body)
+        progress = read_summary((env.body or {}).get("summary"))  # Fields checked: a map
         live = self._live.get(member_id)
         if live is not None:
             now = time.monotonic()
             live.last_seen = now
             live.epoch, live.started, live.finished = epoch, started, finished
             live.counters = counters
+            live.progress = progress
             live.beats += 1
             self._reply(member_id.encode(), Kind.HEARTBEAT_ACK, {"epoch": self._epoch})
             if self._view is None:

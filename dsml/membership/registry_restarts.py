@@ -90,6 +90,7 @@ class RegistryRestarts(RegistryCore):
         )
         self.adopted += 1 if previous is not None else 0
         self._view, self._epoch = view, view.epoch
+        self.view_log.add(view.epoch, view.size, Change(), f"adopted: {how}")
         self._reports.clear()
         self._proposal = None  # answers to a proposal refer to an epoch that is over
         self._change = Change(
