@@ -1,15 +1,26 @@
-"""`dsml status --registry ADDR`: show the group a registry knows (cli layer)."""
+"""`dsml status --registry ADDR`: show the group a registry knows (cli layer).
+
+Once (text or `--json`), as a refreshing table (`--watch`), or as a read-only web page
+(`--serve [ADDR]`, dsml/status_page.py); the text is dsml/status_view.py's.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ipaddress
 import json
+import signal
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError, RegistryUnavailableError
 from ..membership import query_status
+from ..status_page import StatusPoller, serve
+from ..status_view import render
 from ..transport import Curve
 from .keys import add_curve_keys_option
 
@@ -27,8 +38,29 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--wait", type=float, default=3.0, help="seconds to wait for an answer (default: 3)"
     )
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--watch", action="store_true", help="refresh the table every --interval (Ctrl-C stops)"
+    )
+    shown.add_argument(
+        "--serve",
+        nargs="?",
+        const=SERVE_DEFAULT,
+        metavar="ADDR",
+        help=f"serve a read-only web page of the job at HOST:PORT (default {SERVE_DEFAULT}; "
+        "port 0: any free one); it has no login: name a public address only on a trusted net",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between refreshes of --watch and --serve (default: 1)",
+    )
     add_curve_keys_option(parser, "CURVE keys, for a registry started with them")
     parser.set_defaults(handler=_main)
+
+
+SERVE_DEFAULT = "127.0.0.1:8765"
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -41,7 +73,13 @@ def _main(args: argparse.Namespace) -> int:
     try:
         if not args.wait > 0:
             raise ConfigError(f"--wait must be a positive number of seconds, not {args.wait}")
+        if not args.interval > 0:
+            raise ConfigError(
+                f"--interval must be a positive number of seconds, not {args.interval}"
+            )
         curve = _curve(args.curve_keys) if args.curve_keys else None
+        if args.watch or args.serve:
+            return _refreshing(args, curve)
         status = asyncio.run(query_status(args.registry, registry_timeout=args.wait, curve=curve))
     except (RegistryUnavailableError, ConfigError) as exc:
         print(f"dsml status: {exc}", file=sys.stderr)
@@ -51,8 +89,93 @@ def _main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
     else:
-        print(_render(args.registry, status))
+        print(render(args.registry, status))
     return 0
+
+
+def _refreshing(args: argparse.Namespace, curve: Curve | None) -> int:
+    """`--watch` or `--serve`, until Ctrl-C or SIGTERM (exit code 0)."""
+    with _sigterm_interrupts():
+        try:
+            if args.serve:
+                _serve(args, curve)
+            else:
+                _watch(args, curve)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _watch(args: argparse.Namespace, curve: Curve | None) -> None:
+    """Print the table every interval: over the last one on a terminal, else one after
+    another, a blank line between."""
+    clear = sys.stdout.isatty()
+    while True:
+        try:
+            status = asyncio.run(
+                query_status(args.registry, registry_timeout=args.wait, curve=curve)
+            )
+            text = render(args.registry, status)
+        except RegistryUnavailableError as exc:  # it may come back: keep asking
+            text = f"dsml status: {exc} (asking again)"
+        stamp = time.strftime("%H:%M:%S")
+        frame = f"{stamp}, every {args.interval:g} s (Ctrl-C stops)\n{text}\n"
+        sys.stdout.write(("\x1b[H\x1b[2J" if clear else "\n") + frame)
+        sys.stdout.flush()
+        time.sleep(args.interval)
+
+
+def _serve(args: argparse.Namespace, curve: Curve | None) -> None:
+    host, port = _host_port(args.serve)
+    poller = StatusPoller(args.registry, args.interval, args.wait, curve).start()
+    try:
+        server = serve(poller, host, port)
+    except OSError as exc:
+        poller.stop()
+        raise ConfigError(f"--serve {args.serve}: cannot listen there ({exc})") from exc
+    bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
+    shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host
+    if not ipaddress.ip_address(bound_host).is_loopback:
+        print(
+            "dsml status: the page has no login; anyone who reaches this address sees the job",
+            file=sys.stderr,
+        )
+    print(f"dsml status: serving http://{shown}:{bound_port}/ (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        poller.stop()
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """HOST:PORT, [V6]:PORT or PORT (on loopback) for --serve."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+        if not 0 <= number < 65536:
+            raise ValueError(port)
+    except ValueError:
+        raise ConfigError(
+            f"--serve {text}: give HOST:PORT with an IP address (as 127.0.0.1:8765), or PORT"
+        ) from None
+    return host, number
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops a refreshing status as Ctrl-C does (a clean exit, code 0)."""
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _curve(directory: str) -> Curve:
@@ -61,67 +184,3 @@ def _curve(directory: str) -> Curve:
         return Curve.load(directory, role="client")
     except ConfigError:
         return Curve.load(directory, role="server")
-
-
-def _render(address: str, status: dict[str, Any]) -> str:
-    if status.get("formed") or status.get("joining"):
-        state = "formed" if status.get("formed") else "forming"
-        group = f"group {state}, epoch {status.get('epoch')}, world size {status.get('world_size')}"
-    else:
-        epoch = status.get("epoch")
-        group = f"no group running (the last one's epoch: {epoch})" if epoch else "no group yet"
-    lines = [
-        f"registry {address}: {group}, "
-        f"{status.get('dropped_messages', 0)} malformed messages dropped"
-    ]
-    members = status.get("members") or []
-    if members:
-        lines.append(
-            f"{'rank':>4}  {'address':<24} {'host:pid':<22} {'epoch':>5} {'beat':>6} "
-            f"{'held':>6} {'dropped':>7}  last started / last finished"
-        )
-        for m in members:
-            age = m.get("heartbeat_age")
-            beat = f"{age:.1f}s" if isinstance(age, int | float) else "-"
-            counters = m.get("counters") or {}
-            held = counters.get("held", 0)
-            dropped = sum(v for k, v in counters.items() if k.startswith("dropped"))
-            lines.append(
-                f"{m.get('rank', '?'):>4}  {m['address']:<24} "
-                f"{m['host'] + ':' + str(m['pid']):<22} {m.get('epoch', 0):>5} {beat:>6} "
-                f"{held:>6} {dropped:>7}  "
-                f"{_call(m.get('started'))} / {_call(m.get('finished'))}"
-                f"{'  ' + m['name'] if m.get('name') else ''}"
-            )
-    for m in status.get("joining") or []:
-        lines.append(f"   -  {m['address']:<24} {m['host'] + ':' + str(m['pid']):<22} (joining)")
-    for reason in status.get("refused") or []:
-        lines.append(f"   -  refused {reason}")
-    workers = status.get("workers") or []
-    if workers:
-        idle = sum(1 for w in workers if w.get("state") == "idle")
-        lines.append(f"worker daemons: {idle} idle, {len(workers) - idle} busy")
-        lines.append(
-            f"  {'name':<16} {'state':<5} {'address':<24} {'host:pid':<22} {'device':<7} "
-            f"{'beat':>6} {'jobs':>5}"
-        )
-        for w in workers:
-            age = w.get("heartbeat_age")
-            beat = f"{age:.1f}s" if isinstance(age, int | float) else "-"
-            job = f"  job {w['job']}" if w.get("job") else ""
-            lines.append(
-                f"  {w['name']:<16} {w['state']:<5} {w['address']:<24} "
-                f"{w['host'] + ':' + str(w['pid']):<22} {w['device']:<7} {beat:>6} "
-                f"{w.get('jobs_done', 0):>5}{job}"
-            )
-    if status.get("evicted"):
-        lines.append(f"evicted: {', '.join(status['evicted'])}")
-    return "\n".join(lines)
-
-
-def _call(progress: Any) -> str:
-    """`#cid what (epoch e)` from a heartbeat's [epoch, cid, description], or '-'."""
-    if not progress:
-        return "-"
-    epoch, cid, what = progress
-    return f"#{cid} {what.split('(')[0]} (epoch {epoch})"

@@ -1,0 +1,38 @@
+"""A 4-rank job for the live status: rank 2 holds collective #3 back until RELEASE exists.
+
+Ranks 0, 1 and 3 wait in all_reduce #3 meanwhile (as when a rank skipped the call), so
+`dsml status` can be asked what it sees; then every rank makes the call and the job ends
+well. The timeout is long: the test, not the call, decides when the wait ends.
+"""
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+import dsml
+
+STUCK = 2
+
+
+def wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.05)
+
+
+async def main() -> None:
+    release = Path(os.environ["RELEASE"])
+    async with dsml.init(timeout=float(os.environ.get("CALL_TIMEOUT", "120"))) as comm:
+        x = np.ones(1024)
+        await comm.all_reduce(x)  # collective #1
+        await comm.all_reduce(x)  # collective #2
+        if comm.rank == STUCK:
+            print(f"rank {comm.rank}: holding collective #3 back", flush=True)
+            await asyncio.to_thread(wait_for, release)  # the loop stays free meanwhile
+        await comm.all_reduce(x)  # collective #3: the others wait here for rank 2
+        print(f"rank {comm.rank}: done", flush=True)
+
+
+asyncio.run(main())
