@@ -115,6 +115,12 @@ def test_before_a_probe_a_slow_call_waits_for_the_ranks_behind_it_only():
     assert [m["waited_by"] for m in members] == [[3], [3], [0, 3], []]
 
 
+def test_a_waiter_names_at_most_32_ranks_behind_it_the_furthest_behind_first():
+    waiter = member(0, 50, summary([50, "barrier", 3.0]))
+    members = [waiter] + [member(r, 50 - r, summary()) for r in range(1, 41)]
+    assert mark_waited_for(members, slow_s=1.0) == list(range(9, 41))
+
+
 def test_nobody_is_waited_for_while_every_call_is_quick():
     members = [member(r, 4, summary([4, "all_reduce", 0.01])) for r in range(3)]
     assert mark_waited_for(members, slow_s=1.0) == []

@@ -80,30 +80,40 @@ def read_summary(raw: Any) -> dict[str, Any] | None:
 
 def mark_waited_for(members: list[dict[str, Any]], slow_s: float) -> list[int]:
     """Add `waited_by` (the ranks waiting for it) to each member of a status reply;
-    returns the ranks someone waits for (see the module docstring)."""
+    returns the ranks someone waits for (see the module docstring).
+
+    Each waiter names at most `MAX_WAITING` ranks (the furthest behind first), so a reply
+    grows with the group, not with its square; O(n log n) for n members.
+    """
     by_rank = {m["rank"]: m for m in members}
     for m in members:
         m["waited_by"] = []
+    behind: dict[Any, list[tuple[int, int]]] = {}  # epoch -> (last started, rank), sorted
+    for m in members:
+        last = _last_started(m)
+        if last is not None:
+            behind.setdefault(m.get("epoch"), []).append((last, m["rank"]))
+    for ranks in behind.values():
+        ranks.sort()
     for waiter in members:
-        for rank in _waits_for(waiter, members, slow_s):
+        for rank in _waits_for(waiter, behind.get(waiter.get("epoch"), []), slow_s):
             if rank in by_rank and rank != waiter["rank"]:
                 by_rank[rank]["waited_by"].append(waiter["rank"])
     return [m["rank"] for m in members if m["waited_by"]]
 
 
-def _waits_for(waiter: dict[str, Any], members: list[dict[str, Any]], slow_s: float) -> list[int]:
+def _waits_for(waiter: dict[str, Any], behind: list[tuple[int, int]], slow_s: float) -> list[int]:
+    """The ranks `waiter` waits for: its probe's, or those of its epoch behind its slow
+    call (`behind`: (last started, rank) of the epoch's members, sorted)."""
     progress = waiter.get("progress")
     if progress is None or progress["call"] is None:
         return []
-    call = progress["call"]
     if progress["waiting_for"] is not None:
         return list(progress["waiting_for"])
-    cid, _kind, running_s = call
+    cid, _kind, running_s = progress["call"]
     if running_s + (waiter.get("heartbeat_age") or 0.0) < slow_s:
         return []
-    epoch = waiter.get("epoch")
-    behind = [(m["rank"], _last_started(m)) for m in members if m.get("epoch") == epoch]
-    return [rank for rank, last in behind if last is not None and last < cid]
+    return [rank for last, rank in behind[:MAX_WAITING] if last < cid]
 
 
 def _last_started(member: dict[str, Any]) -> int | None:

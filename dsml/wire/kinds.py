@@ -19,7 +19,7 @@ class Kind(enum.IntEnum):
     JOIN_REJECTED = 3  # registry: "you cannot join" (reason)
     VIEW_CHANGED = 4  # registry: "this is the group now" (epoch, members in ring order)
     LEAVE_REQUEST = 5  # worker: "I am leaving the group"
-    HEARTBEAT = 6  # worker: "I am alive; my epoch, last started and finished collective"
+    HEARTBEAT = 6  # worker: "I am alive; my epoch, last started/finished call, progress"
     STATUS_REQUEST = 7  # anyone: "describe the group"
     STATUS_REPLY = 8  # registry: the description
     SUSPECT = 9  # worker: "my connection to this member dropped" (member id)
