@@ -122,7 +122,8 @@ def render(address: str, status: dict[str, Any]) -> str:
         lines.append("recent views:")
         for v in views[-5:]:
             at = time.strftime("%H:%M:%S", time.localtime(v["at"]))
-            lines.append(f"  epoch {v['epoch']} at {at}, {v['size']} members: {v['reason']}")
+            size = f"{v['size']} member{'' if v['size'] == 1 else 's'}"
+            lines.append(f"  epoch {v['epoch']} at {at}, {size}: {v['reason']}")
     return "\n".join(lines)
 
 
