@@ -5,7 +5,8 @@ its own, and keeps the latest reply and the last minute of each rank's median ti
 `serve` puts an HTTP server (stdlib `http.server`) in front of it with three paths:
 
 - `/`: the page: the group (epoch, world size), a row per rank with the collective it is
-  in, whom it waits for, who waits for it (a stuck rank's row is marked: class `stuck`),
+  in, whom it waits for, who waits for it (a stuck rank's row is marked: class `stuck`;
+  a straggler's: class `straggler`),
   its heartbeat's age, calls per second and median time split; a small plot per rank of
   that split over the last minute; the recent view changes with why; it reloads itself;
 - `/status.json`: the registry's last reply as it came;
@@ -156,6 +157,7 @@ def page(
     e = html.escape
     table = rows(status)
     stuck = [r.rank for r in table if r.stuck]
+    slow = [r.rank for r in table if r.straggler]
     when = time.strftime("%H:%M:%S", time.localtime(at)) if at else "never"
     head = f"registry {e(address)}, asked at {when}"
     if error:
@@ -164,11 +166,11 @@ def page(
         f"epoch {e(str(status.get('epoch')))}, world size {e(str(status.get('world_size')))}, "
         f"{'formed' if status.get('formed') else 'not formed'}"
     )
-    verdict = (
-        f"<p id='verdict' class='stuck'>stuck: {e(', '.join(f'rank {r}' for r in stuck))}</p>"
-        if stuck
-        else "<p id='verdict'>no rank is waited for</p>"
-    )
+    verdict = "<p id='verdict'>no rank is waited for</p>"
+    if stuck:
+        verdict = f"<p id='verdict' class='stuck'>stuck: {_ranks(stuck)}</p>"
+    elif slow:
+        verdict = f"<p id='verdict' class='straggler'>straggler: {_ranks(slow)}</p>"
     return "\n".join(
         [
             "<!doctype html>",
@@ -186,6 +188,10 @@ def page(
     )
 
 
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(f"rank {r}" for r in ranks)
+
+
 def _rank_table(table: list[Row], history: dict[int, list[Any]]) -> str:
     e = html.escape
     out = [
@@ -198,9 +204,10 @@ def _rank_table(table: list[Row], history: dict[int, list[Any]]) -> str:
         beat = f"{row.beat_s:.1f} s ago" if row.beat_s is not None else "-"
         rate = f"{row.calls_per_s:.1f}" if row.calls_per_s is not None else "-"
         split = " / ".join(f"{row.p50_s[p] * 1e3:.2f}" for p in PARTS) if row.p50_s else "-"
-        by = e(row.mark()) if row.stuck else "-"
+        by = e(row.mark()) or "-"
+        state = "stuck" if row.stuck else "straggler" if row.straggler else "ok"
         out.append(
-            f"<tr id='rank-{row.rank}' class='{'stuck' if row.stuck else 'ok'}' "
+            f"<tr id='rank-{row.rank}' class='{state}' "
             f"data-stuck='{'true' if row.stuck else 'false'}'>"
             f"<td>{row.rank}</td><td>{e(row.member)}</td><td>{e(row.where)}</td>"
             f"<td>{row.epoch}</td><td>{beat}</td><td>{e(row.doing())}</td>"
@@ -267,6 +274,8 @@ th { background: #f4f4f4; }
 tr.stuck td { background: #fbe3e3; font-weight: bold; }
 tr.stuck td:first-child::before { content: "\\26A0  "; color: #c9302c; }
 p.stuck { color: #c9302c; font-weight: bold; }
+tr.straggler td { background: #fcf3d9; }
+p.straggler { color: #8a6d3b; font-weight: bold; }
 .error { color: #c9302c; }
 .key { display: inline-block; width: 0.8em; height: 0.8em; margin: 0 0.2em 0 0.6em; }
 """

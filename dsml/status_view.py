@@ -4,12 +4,17 @@
 progress summaries (membership/live.py) into one `Row` per rank: where it is, the
 collective it is in and for how long, whom it waits for, who waits for it, its calls per
 second and median time split. A rank others wait for is *stuck* (marked in the text with
-`<< STUCK` and on the page, dsml/status_page.py). `render` is the text `dsml status` and
-`dsml status --watch` print.
+`<< STUCK` and on the page, dsml/status_page.py). A rank the others wait for on every
+call, though each call ends, is a *straggler* (`<< STRAGGLER`): over their last calls,
+the others' median wait is at least `STRAGGLER_MIN_S` and most of their call, and at
+least `STRAGGLER_RATIO` times its own. `render` is the text `dsml status` and `dsml status
+--watch` print.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +22,9 @@ from typing import Any
 __all__ = ["Row", "render", "rows"]
 
 PARTS = ("total", "waiting", "wire", "reduce", "copy", "other")  # a summary's p50_us order
+STRAGGLER_MIN_S = 1e-3  # the others' median wait per call, at least
+STRAGGLER_RATIO = 4.0  # ... and this many times the straggler's own
+_STRAGGLER_SAMPLE = 8  # calls each rank's median must be over
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,8 @@ class Row:
     sampled: int
     held: int  # messages held for it (from outside the view), now
     dropped: int  # messages it dropped so far
+    #: the others' median wait per call, when they wait for this rank on every call
+    straggles_s: float | None = None
 
     @property
     def stuck(self) -> bool:
@@ -51,8 +61,16 @@ class Row:
             return f"#{cid} {kind} for {running_s:.1f} s"
         return f"idle ({self.last})" if self.last != "-" else "-"
 
+    @property
+    def straggler(self) -> bool:
+        return self.straggles_s is not None and not self.stuck
+
     def mark(self) -> str:
-        return f"STUCK: {_ranks(self.waited_by)} wait for it" if self.stuck else ""
+        if self.stuck:
+            return f"STUCK: {_ranks(self.waited_by)} wait for it"
+        if self.straggles_s is not None:
+            return f"STRAGGLER: the others wait {self.straggles_s * 1e3:.1f} ms a call for it"
+        return ""
 
 
 def rows(status: dict[str, Any]) -> list[Row]:
@@ -62,7 +80,25 @@ def rows(status: dict[str, Any]) -> list[Row]:
     for m in members:
         for waiter in m.get("waited_by") or []:
             waiting.setdefault(waiter, []).append(m["rank"])
-    return [_row(m, sorted(waiting.get(m["rank"], []))) for m in members]
+    table = [_row(m, sorted(waiting.get(m["rank"], []))) for m in members]
+    return _with_stragglers(table)
+
+
+def _with_stragglers(table: list[Row]) -> list[Row]:
+    """Mark the ranks the others wait for on every call (module docstring)."""
+    timed = [r for r in table if r.p50_s is not None and r.sampled >= _STRAGGLER_SAMPLE]
+    if len(timed) < 2 or len(timed) < len(table):
+        return table
+    marked = {}
+    for row in timed:
+        others = [r.p50_s for r in timed if r is not row and r.p50_s is not None]
+        wait = statistics.median(p["waiting"] for p in others)
+        total = statistics.median(p["total"] for p in others)
+        assert row.p50_s is not None
+        own = row.p50_s["waiting"]
+        if wait >= STRAGGLER_MIN_S and 2 * wait >= total and wait >= STRAGGLER_RATIO * own:
+            marked[row.rank] = wait
+    return [dataclasses.replace(r, straggles_s=marked.get(r.rank)) for r in table]
 
 
 def _row(m: dict[str, Any], waits_for: list[int]) -> Row:
@@ -147,10 +183,11 @@ def _line(row: Row) -> str:
     if row.p50_s is not None:
         split = "/".join(f"{row.p50_s[p] * 1e3:.2f}" for p in PARTS)
     waits = ",".join(str(r) for r in row.waits_for) or "-"
-    mark = f"  << {row.mark()}" if row.stuck else ""
+    mark = f"  << {row.mark()}" if row.mark() else ""
     name = f"  {row.name}" if row.name else ""
     return (
-        f"{'*' if row.stuck else ' '} {row.rank:>4}  {row.address:<24} {row.where:<22} "
+        f"{'*' if row.stuck else '~' if row.straggler else ' '} {row.rank:>4}  "
+        f"{row.address:<24} {row.where:<22} "
         f"{row.epoch:>5} {beat:>6} {row.held:>5} {row.dropped:>7}  {row.doing():<30} "
         f"{waits:<9} {rate:>7}  {split}{name}{mark}"
     )

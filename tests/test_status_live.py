@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,7 +30,8 @@ import zmq.asyncio
 from dsml import CommConfig, ProtocolError, open_registry
 from dsml.config import RegistryConfig
 from dsml.membership.live import mark_waited_for, read_summary
-from dsml.status_view import render
+from dsml.status_page import StatusPoller, page, serve
+from dsml.status_view import STRAGGLER_RATIO, render, rows
 from dsml.testing import open_local_cluster
 from dsml.wire import Envelope, Kind
 from dsml.wire.envelope import encode
@@ -186,6 +188,42 @@ async def test_the_status_reply_marks_the_rank_the_others_wait_for():
 
 
 @pytest.mark.timeout(60)
+async def test_a_rank_the_others_wait_for_on_every_call_is_marked_a_straggler():
+    registry = RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=10)
+    calls = 12
+    async with open_local_cluster(4, registry_config=registry) as cluster:
+
+        async def rank_2_slow(comm: Any) -> None:
+            for _ in range(calls):
+                if comm.rank == STUCK:
+                    await asyncio.sleep(0.05)  # a slow step: the others wait for it each call
+                await comm.all_reduce(np.ones(256))
+
+        await cluster.run(rank_2_slow)
+
+        def reported() -> dict[str, Any] | None:
+            status = cluster.registry.status()
+            done = all((m["progress"] or {}).get("sampled") == calls for m in status["members"])
+            return status if done else None
+
+        status = await _until(reported, f"heartbeats reporting the {calls} calls")
+    table = rows(status)
+    assert [r.rank for r in table if r.straggler] == [STUCK], [r.p50_s for r in table]
+    assert not any(r.stuck for r in table)
+    slow = table[STUCK]
+    assert slow.straggles_s is not None
+    assert slow.straggles_s >= STRAGGLER_RATIO * slow.p50_s["waiting"]
+    line = next(x for x in render("tcp://x:1", status).splitlines() if "STRAGGLER" in x)
+    assert re.match(r"~\s+2\s", line), line
+    assert "<tr id='rank-2' class='straggler'" in page("x", status, "", 0.0, {}, 1.0)
+
+
+def test_ranks_that_wait_alike_are_no_stragglers():
+    members = [member(r, 40, summary() | {"sampled": 32}) for r in range(4)]
+    assert not any(r.straggler for r in rows({"members": members}))
+
+
+@pytest.mark.timeout(60)
 async def test_a_progress_summary_is_small_and_follows_the_calls():
     registry = RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=10)
     async with open_local_cluster(2, registry_config=registry) as cluster:
@@ -212,6 +250,78 @@ async def _until(get: Callable[[], Any], what: str, within: float = 30.0) -> Any
             await asyncio.sleep(0.05)
     assert found is not None, what
     return found
+
+
+def test_the_page_escapes_what_the_registry_says_and_marks_the_stuck_row():
+    members = [
+        member(0, 4, summary([4, "all_reduce", 6.0], [1])),
+        member(1, 3, summary()) | {"id": "<b>bold</b>"},
+    ]
+    waited = mark_waited_for(members, slow_s=1.0)
+    reason = "<script>alert(1)</script>"
+    status = {"formed": True, "members": members, "waited_for": waited, "views": []}
+    status["views"] = [{"epoch": 1, "at": 0.0, "size": 2, "reason": reason}]
+    text = page("tcp://127.0.0.1:1", status, "", time.time(), {}, 1.0)
+    assert "<script>" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "&lt;b&gt;bold&lt;/b&gt;" in text
+    assert re.search(r"<tr id='rank-1' class='stuck' data-stuck='true'>", text)
+    assert re.search(r"<tr id='rank-0' class='ok' data-stuck='false'>", text)
+
+
+@pytest.mark.timeout(60)
+async def test_the_page_server_answers_get_and_head_only_with_no_script_allowed():
+    registry = RegistryConfig(heartbeat_interval=0.05, heartbeat_timeout=10)
+    async with open_local_cluster(2, registry_config=registry) as cluster:
+        await cluster.run(lambda c: c.all_reduce(np.ones(8)))
+        poller = StatusPoller(cluster.registry.address, 0.1, 2.0).start()
+        server = serve(poller, "127.0.0.1", 0)
+        thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        try:
+
+            def polled() -> Any:
+                return poller.latest()[0].get("members") or None
+
+            await _until(polled, "the poller's first answer")
+            code, headers, body = await asyncio.to_thread(fetch, url)
+            assert code == 200
+            assert headers["Content-Security-Policy"].startswith("default-src 'none'")
+            assert "<tr id='rank-0'" in body
+            assert "<tr id='rank-1'" in body
+            code, _, body = await asyncio.to_thread(fetch, url + "status.json")
+            assert (code, json.loads(body)["formed"]) == (200, True)
+            assert (await asyncio.to_thread(fetch, url + "elsewhere"))[0] == 404
+            assert (await asyncio.to_thread(fetch, url, "POST"))[0] == 501
+            code, _, body = await asyncio.to_thread(fetch, url, "HEAD")
+            assert (code, body) == (200, "")
+        finally:
+            server.shutdown()
+            server.server_close()
+            await asyncio.to_thread(poller.stop)
+            thread.join(timeout=10)
+
+
+def fetch(url: str, method: str = "GET") -> tuple[int, dict[str, str], str]:
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, dict(answer.headers), answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), ""
+
+
+def test_serve_refuses_an_address_that_is_not_host_port():
+    done = subprocess.run(
+        [*DSML, "status", "--registry", "tcp://127.0.0.1:9", "--serve", "localhost:80x"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    assert "--serve localhost:80x: give HOST:PORT with an IP address" in done.stderr
 
 
 # -- through the dsml command ---------------------------------------------------------------
