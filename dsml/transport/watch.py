@@ -43,8 +43,8 @@ _REFUSALS = {
     },
     "PLAIN": {
         int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): (
-            "the server refused this process's job secret: both ends must have the same "
-            "DSML_SECRET (or DSML_SECRET_FILE, or per-user secret file)"
+            "another job's secret: every process of a job needs the same DSML_SECRET (or "
+            "DSML_SECRET_FILE, or per-user secret file ~/.config/dsml/secret)"
         ),
         int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): (
             "handshake failed (is CURVE on at the other end only?)"
