@@ -30,10 +30,17 @@ _RETRIED = int(zmq.EVENT_CONNECT_RETRIED)
 #: Failed attempts at a first connection before `on_unreachable` (libzmq retries every
 #: 100 ms or so; a refused loopback connection fails within microseconds).
 UNREACHABLE_AFTER = 2
+_CURVE_ELSEWHERE = (
+    "handshake failed: the other end uses CURVE (give this process the cluster's keys: "
+    "--curve-keys DIR or DSML_CURVE_KEYS)"
+)
 #: What each handshake failure means to the user (the monitor's words are libzmq's).
 _REFUSALS = {
     "CURVE": {
-        int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the server refused this key (not allowlisted)",
+        int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): (
+            "the server refused this key (not allowlisted: is this client's public key in its "
+            "DIR/authorized list?)"
+        ),
         int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): (
             "CURVE handshake failed (is CURVE on at both ends?)"
         ),
@@ -46,12 +53,8 @@ _REFUSALS = {
             "another job's secret: every process of a job needs the same DSML_SECRET (or "
             "DSML_SECRET_FILE, or per-user secret file ~/.config/dsml/secret)"
         ),
-        int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): (
-            "handshake failed (is CURVE on at the other end only?)"
-        ),
-        int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): (
-            "handshake failed (is CURVE on at the other end only?)"
-        ),
+        int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): _CURVE_ELSEWHERE,
+        int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): _CURVE_ELSEWHERE,
     },
 }
 _HANDSHAKE = int(
