@@ -15,6 +15,7 @@ import zmq.asyncio
 
 import dsml
 from dsml import log
+from dsml.transport import prove_secret
 
 
 @pytest.fixture
@@ -109,7 +110,8 @@ async def test_a_flood_of_malformed_messages_from_one_sender_logs_one_line(captu
         ctx = zmq.asyncio.Context()
         socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
         try:
-            for sock in socks:
+            for i, sock in enumerate(socks):
+                prove_secret(sock, f"garbage-{i}".encode())  # a member's bug, not an outsider
                 sock.connect(registry.address)
                 for _ in range(150):
                     await sock.send_multipart([b"\xc1 not msgpack"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +25,7 @@ import dsml
 from dsml import CommConfig, RegistryConfig
 from dsml.membership import query_status
 from dsml.testing import open_local_cluster
+from dsml.transport import prove_secret
 from dsml.wire import Envelope, Fingerprint, Kind, decode, encode
 from tests.waiting import eventually
 
@@ -32,7 +34,10 @@ Frames = list[bytes]
 
 
 class Attacker:
-    """Raw DEALER sockets of a private context; every one is closed with linger 0."""
+    """Raw DEALER sockets of a private context; every one is closed with linger 0.
+
+    They prove the job secret (a buggy member, not an outsider: tests/test_security.py
+    has those), so what they send is read and must be judged on its bytes alone."""
 
     def __init__(self) -> None:
         self.context = zmq.asyncio.Context()
@@ -41,8 +46,7 @@ class Attacker:
     def dealer(self, address: str, identity: bytes | None = None) -> zmq.asyncio.Socket:
         sock = self.context.socket(zmq.DEALER)
         sock.linger = 0
-        if identity is not None:
-            sock.identity = identity
+        prove_secret(sock, identity if identity is not None else os.urandom(8).hex().encode())
         sock.connect(address)
         self.sockets.append(sock)
         return sock

@@ -28,6 +28,7 @@ from dsml import (
     RegistryConfig,
 )
 from dsml.testing import Faults, InProcessCluster, crash, inject, open_local_cluster
+from dsml.transport import prove_secret
 from dsml.wire import Envelope, Fingerprint, Kind, encode
 from tests.waiting import LoopLag, eventually
 
@@ -257,7 +258,7 @@ async def test_a_foreign_envelope_of_the_next_epoch_does_not_break_the_next_view
         target = cluster[0]
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"intruder")
+        prove_secret(sock, b"intruder")  # holds the job secret: judged by the view
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(target.address)

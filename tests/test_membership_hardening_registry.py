@@ -101,7 +101,9 @@ async def test_a_heartbeat_from_a_newer_epoch_makes_the_registry_ask_for_that_vi
                 client.view = agreed  # installed without telling the registry
                 client.start_heartbeats(beat(agreed.epoch))
             await eventually(lambda: registry.view == agreed, "the view adopted")
-            assert all(r.reregistered >= 1 for r in recorders[1:])
+            # The first REJOIN is adopted, so the members whose next heartbeat came after it
+            # (any of them, on a loaded machine) were never asked: one was, at least.
+            assert any(r.reregistered >= 1 for r in recorders[1:])
             status = registry.status()
             assert [m["id"] for m in status["members"]] == [m.id for m in agreed.members]
             await eventually(

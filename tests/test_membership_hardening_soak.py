@@ -40,7 +40,7 @@ import zmq
 import dsml
 from dsml import CommConfig, DsmlError, MembershipChangedError, RegistryConfig
 from dsml.testing import crash, open_local_cluster
-from dsml.transport import DONE, Channel, Sent
+from dsml.transport import DONE, Channel, Sent, prove_secret
 from dsml.wire import Envelope, Fingerprint, Kind, encode
 
 RUNS = int(os.environ.get("DSML_SOAK_RUNS", "210"))
@@ -176,7 +176,7 @@ async def pause(comm: dsml.Communicator, seconds: float) -> None:
 async def foreign_burst(comm: dsml.Communicator, count: int) -> None:
     """A non-member sends `count` envelopes of the current and next epochs to `comm`."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"intruder-{os.getpid()}-{id(comm)}".encode())
+    prove_secret(sock, f"intruder-{os.getpid()}-{id(comm)}".encode())  # has the secret
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(comm.address)

@@ -16,7 +16,16 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dsml import ConfigError
-from dsml.transport import DONE, Channel, Endpoint, Mailbox, check_address, live_sockets, wait_sent
+from dsml.transport import (
+    DONE,
+    Channel,
+    Endpoint,
+    Mailbox,
+    check_address,
+    live_sockets,
+    prove_secret,
+    wait_sent,
+)
 from dsml.transport.addresses import advertised
 from dsml.wire import Envelope, Fingerprint, Kind, encode
 from tests.waiting import eventually
@@ -187,6 +196,7 @@ async def test_a_frame_larger_than_the_limit_never_reaches_the_handler():
     async with endpoint(inbox, max_frame_bytes=4096) as ep:
         sender = context.socket(zmq.DEALER)
         sender.linger = 0
+        prove_secret(sender, b"big-sender")
         monitor = sender.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sender.connect(ep.address)

@@ -18,7 +18,7 @@ import zmq
 
 import dsml
 from dsml.daemon import Client
-from dsml.transport import generate_keys
+from dsml.transport import generate_keys, prove_secret
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
 
@@ -164,6 +164,7 @@ async def test_malformed_bytes_on_the_job_socket_do_not_disturb_the_worker(procs
     worker = procs("worker", "--registry", address)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
+    prove_secret(sock, b"garbage")  # the job's secret: a buggy client, not an outsider
     sock.connect(worker.address)
     for frames in ([b"garbage"], [b"\x93\x01\x1e\x00", b"x"], [b"\xc1" * 100, b"", b""]):
         sock.send_multipart(frames)

@@ -6,7 +6,9 @@ command's module need not repeat them:
 
 - `--log-level` (default `DSML_LOG_LEVEL`, else warning), also passed on to the ranks that
   `dsml run` and `dsml bench` start;
-- `--registry`, wherever a command has it, defaults to `DSML_REGISTRY`.
+- `--registry`, wherever a command has it, defaults to `DSML_REGISTRY`;
+- `--secret-file`, for every command that connects, names the job secret's file (it wins
+  over `DSML_SECRET` and `DSML_SECRET_FILE`; see docs/security.md).
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from .. import log
 from .._version import __version__
 from ..errors import DsmlError
+from ..transport.secret import SECRET_ENV, SECRET_FILE_ENV, forget_secret
 from . import bench, flight, keys, registry_cmd, run, status, worker
 
 __all__ = ["build_parser", "main"]
 
 _COMMANDS = (registry_cmd, worker, run, bench, status, keys, flight)
 _LOG_LEVEL_HELP = "debug, info, warning or error (default: $DSML_LOG_LEVEL, else warning)"
+_SECRET_HELP = (
+    "file holding the job secret, readable by its owner only (default: $DSML_SECRET, "
+    "else $DSML_SECRET_FILE, else ~/.config/dsml/secret)"
+)
+_OFFLINE = ("keys", "flight")  # commands that open no connection
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -49,6 +57,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             default=argparse.SUPPRESS,
             help=_LOG_LEVEL_HELP,
         )
+        if not command_parser.prog.split()[1:2] or command_parser.prog.split()[1] not in _OFFLINE:
+            command_parser.add_argument(
+                "--secret-file", metavar="FILE", default=argparse.SUPPRESS, help=_SECRET_HELP
+            )
         _registry_from_env(command_parser, env.get("DSML_REGISTRY"))
         _default_from_env(command_parser, "curve_keys", env.get("DSML_CURVE_KEYS", "").strip())
     return parser
@@ -126,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.configure(level, stream=sys.__stderr__ if args.command == "worker" else None)
     if args.log_level:  # the ranks of `dsml run` and `dsml bench` inherit it
         os.environ["DSML_LOG_LEVEL"] = args.log_level
+    if getattr(args, "secret_file", None):  # the ranks and daemons it starts inherit it
+        os.environ.pop(SECRET_ENV, None)
+        os.environ[SECRET_FILE_ENV] = os.path.abspath(args.secret_file)
+        forget_secret()
     try:
         code: int = args.handler(args)
     except DsmlError as exc:

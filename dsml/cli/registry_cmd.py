@@ -11,7 +11,7 @@ from typing import Any
 from ..config import RegistryConfig
 from ..errors import ConfigError
 from ..membership import open_registry
-from ..transport import Curve
+from ..transport import Curve, job_secret
 from .keys import add_curve_keys_option
 
 __all__ = ["add_parser"]
@@ -52,6 +52,15 @@ def add_parser(sub: Any) -> None:
     parser.set_defaults(handler=_main)
 
 
+def _secret_line() -> str:
+    """Which secret the registry admits, and how the job's other processes get it."""
+    secret = job_secret()
+    return (
+        f"admitting connections that prove the {secret}: give the job's other processes "
+        f"the same secret (DSML_SECRET, DSML_SECRET_FILE or --secret-file)"
+    )
+
+
 def _main(args: argparse.Namespace) -> int:
     try:
         config = RegistryConfig(
@@ -60,6 +69,8 @@ def _main(args: argparse.Namespace) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             curve=Curve.load(args.curve_keys, role="server") if args.curve_keys else None,
         )
+        if config.curve is None:
+            job_secret()  # a missing or unreadable secret is said before anything binds
     except ConfigError as exc:
         print(f"dsml registry: {exc}", file=sys.stderr)
         return 2
@@ -69,6 +80,8 @@ def _main(args: argparse.Namespace) -> int:
 async def _serve(config: RegistryConfig) -> int:
     async with open_registry(config=config) as registry:
         print(f"dsml registry serving on {registry.address}", flush=True)
+        if config.curve is None:
+            print(_secret_line(), flush=True)
         print(
             f"heartbeats every {config.heartbeat_interval:g} s; a member silent for "
             f"{config.heartbeat_timeout:g} s is declared dead"

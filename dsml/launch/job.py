@@ -7,6 +7,12 @@ one host's part of `dsml run --nnodes N`: node 0's launcher serves the registry 
 node's connects to it (`node_link.py`); the world size is N*K and rank I*K+local. With
 CURVE keys the registry, the link and every rank's sockets use CURVE with those keys.
 
+The job secret: a launch with its own embedded registry makes a fresh one for the job
+unless the environment names one, and hands it to its ranks in `DSML_SECRET`. A launch
+that joins a registry given by --registry, and every node of a multi-node run, use the
+secret the environment names (or the per-user file): the nodes' link authenticates with
+it too, so it cannot be handed over that link.
+
 The launcher's root-cause summary comes last, after the ranks' output.
 """
 
@@ -24,6 +30,7 @@ from ..errors import ConfigError, DsmlError
 from ..membership import Registry, open_registry, query_status
 from ..transport import Curve
 from ..transport.addresses import bracketed, format_tcp, is_local_address, resolve_host, split_tcp
+from ..transport.secret import adopt_secret, explicit_secret, make_secret
 from .launcher import Launch
 from .node_board import NodeBoard
 from .node_link import NodeLink
@@ -62,6 +69,8 @@ async def launch(
     curve = _curve(curve_keys)
     async with contextlib.AsyncExitStack() as stack:
         if registry is None:
+            if curve is None and not explicit_secret():
+                adopt_secret(make_secret(), "dsml run (made for this job)")
             config = RegistryConfig(curve=curve)
             embedded = await stack.enter_async_context(open_registry(config=config))
             registry = embedded.address

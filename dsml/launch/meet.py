@@ -28,7 +28,7 @@ from ..transport.addresses import (
 )
 from .hosted import HostedRegistry
 from .plan import Hosting, Rendezvous
-from .store import lookup_registry, publish_registry
+from .store import lookup_registry, publish_registry, secret_for_store
 
 __all__ = ["choose_bind", "find_registry"]
 
@@ -57,9 +57,10 @@ async def find_registry(
     if plan.hosting is Hosting.PUBLISH:
         assert plan.store is not None
         host = _local_ip(plan.store[0], ifname)
+        secret = secret_for_store()  # adopted before the registry binds with it
         hosted = await _serve(format_tcp(host, 0), curve, plan)
         try:
-            await publish_registry(plan.store, plan.store_key, hosted.address, timeout_s)
+            await publish_registry(plan.store, plan.store_key, hosted.address, secret, timeout_s)
         except BaseException:
             await hosted.aclose()
             raise

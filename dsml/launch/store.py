@@ -3,7 +3,9 @@
 Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent already serves a TCPStore at
 MASTER_ADDR:MASTER_PORT, so nobody else can bind that port. Rank 0 then serves the
 registry on a port of its own and sets its address under one key of the store; the other
-ranks wait for that key. torch is imported here only, and only on this path.
+ranks wait for that key. Unless the environment names a job secret, rank 0 also makes one
+and sets it under `KEY/secret` (torch's store is as open as torch.distributed itself: see
+docs/security.md). torch is imported here only, and only on this path.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 
 from ..errors import ConfigError, RegistryUnavailableError
 from ..transport.addresses import bracketed
+from ..transport.secret import adopt_published, secret_to_publish
 
-__all__ = ["lookup_registry", "publish_registry"]
+__all__ = ["lookup_registry", "publish_registry", "secret_for_store"]
 
 
 def _client(store: tuple[str, int], timeout_s: float) -> Any:
@@ -41,13 +44,20 @@ def _client(store: tuple[str, int], timeout_s: float) -> Any:
         ) from None
 
 
+def secret_for_store() -> str:
+    """Before rank 0 serves the registry: the secret it will publish ("": none)."""
+    return secret_to_publish("rank 0 of torchrun (through its store)")
+
+
 async def publish_registry(
-    store: tuple[str, int], key: str, address: str, timeout_s: float
+    store: tuple[str, int], key: str, address: str, secret: str, timeout_s: float
 ) -> None:
-    """Set `key` to the registry's address in torchrun's store."""
+    """Set `key` to the registry's address in torchrun's store, `KEY/secret` to `secret`."""
 
     def publish() -> None:
-        _client(store, timeout_s).set(key, address)
+        client = _client(store, timeout_s)
+        client.set(f"{key}/secret", secret)
+        client.set(key, address)  # last: a rank that sees the address finds the secret
 
     await asyncio.to_thread(publish)
 
@@ -58,7 +68,9 @@ async def lookup_registry(store: tuple[str, int], key: str, timeout_s: float) ->
     def lookup() -> str:
         client = _client(store, timeout_s)
         try:
-            return bytes(client.get(key)).decode()
+            address = bytes(client.get(key)).decode()
+            adopt_published(bytes(client.get(f"{key}/secret")).decode(), "torchrun's store")
+            return address
         except (RuntimeError, OSError) as exc:  # torch's timeout is a RuntimeError subclass
             raise RegistryUnavailableError(
                 f"rank 0 did not publish the registry's address in torchrun's store at "

@@ -63,6 +63,8 @@ class RegistryClient:
         self._channel: Channel | None = None
         self._beacon: Beacon | None = None
         self._early: list[tuple[View, Change]] = []
+        self._refused = asyncio.Event()  # the registry refused our secret (or key)
+        self._refusal = ""
 
     def open(self) -> None:
         """Connect the channel (ZeroMQ connects in the background; nothing waits here)."""
@@ -72,7 +74,12 @@ class RegistryClient:
             handler=self._dispatch,
             linger_s=1.0,
             curve=self.config.curve,
+            on_refused=self._on_refused,
         )
+
+    def _on_refused(self, reason: str) -> None:
+        self._refusal = reason
+        self._refused.set()
 
     def _dispatch(self, sender: bytes, env: Envelope, payload: list[memoryview]) -> None:
         self.last_heard = time.monotonic()
@@ -186,9 +193,18 @@ class RegistryClient:
 
     async def _reply(self, *kinds: Kind) -> Envelope:
         waits = {asyncio.ensure_future(self._replies.get(k, None)): k for k in kinds}
+        refused = asyncio.ensure_future(self._refused.wait())
         try:
             async with asyncio.timeout(self.config.registry_timeout):
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    [*waits, refused], return_when=asyncio.FIRST_COMPLETED
+                )
+            if refused in done:
+                raise RegistryUnavailableError(
+                    f"the registry at {self.address} refused this process's connection: "
+                    f"{self._refusal}",
+                    address=self.address,
+                )
         except TimeoutError:
             keys = (
                 "is this client's public key in its DIR/authorized list?"
@@ -202,6 +218,7 @@ class RegistryClient:
                 address=self.address,
             ) from None
         finally:
+            refused.cancel()
             for wait in waits:
                 wait.cancel()
         return next(iter(done)).result()

@@ -78,21 +78,34 @@ class WorkerRecord:
         }
 
 
+def _check_speaker(sender: bytes, worker_id: str, kind: str) -> None:
+    if sender != f"worker-{worker_id}".encode():
+        raise ProtocolError(
+            f"{kind} for worker {worker_id!r} from connection {sender[:40]!r}: a daemon "
+            "speaks only for itself"
+        )
+
+
 class WorkerPool:
     """Worker daemons by id, as their last hello described them."""
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerRecord] = {}
 
-    def hello(self, body: Any) -> WorkerRecord:
+    def hello(self, body: Any, sender: bytes) -> WorkerRecord:
+        """List (or refresh) the daemon a hello describes; only its own connection
+        (identity `worker-<id>`, proven by the job secret) may speak for it."""
         record = WorkerRecord.from_hello(body, time.monotonic())
+        _check_speaker(sender, record.id, "WorkerHello")
         if record.id not in self._workers and len(self._workers) >= _MAX_WORKERS:
             raise ProtocolError(f"the registry lists {_MAX_WORKERS} workers already")
         self._workers[record.id] = record
         return record
 
-    def bye(self, body: Any) -> None:
-        self._workers.pop(Fields(body, "WorkerBye").get_str("id", 64), None)
+    def bye(self, body: Any, sender: bytes) -> None:
+        worker_id = Fields(body, "WorkerBye").get_str("id", 64)
+        _check_speaker(sender.removesuffix(b".bye"), worker_id, "WorkerBye")
+        self._workers.pop(worker_id, None)
 
     def expire(self, timeout: float) -> list[str]:
         """Drop the daemons silent for longer than timeout; returns their names."""

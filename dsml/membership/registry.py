@@ -63,6 +63,10 @@ __all__ = ["Registry", "open_registry"]
 log = logging.getLogger("dsml.registry")
 
 _SLOW_S = 1.0  # see `status()`
+#: Replies queued per connection before more are dropped (and counted in
+#: `undelivered_replies`): a connection that sends requests but does not read costs at
+#: most this many replies' bytes. A dropped view is sent again (see handle_heartbeat).
+REPLY_QUEUE = 256
 
 
 class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
@@ -91,6 +95,7 @@ class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
             max_envelope_bytes=self.config.max_message_bytes,
             name="registry",
             curve=self.config.curve,
+            sndhwm=REPLY_QUEUE,
         )
         self._started_at = time.monotonic()
         self._spawn(self._watchdog())
@@ -145,11 +150,11 @@ class Registry(RegistryJoins, RegistryLiveness, RegistryRestarts):
     # -- worker daemons ---------------------------------------------------------------------
 
     def handle_worker_hello(self, sender: bytes, env: Envelope) -> None:
-        record = self.pool.hello(env.body)
+        record = self.pool.hello(env.body, sender)
         log.debug("worker %s at %s is %s", record.name, record.address, record.state)
 
     def handle_worker_bye(self, sender: bytes, env: Envelope) -> None:
-        self.pool.bye(env.body)
+        self.pool.bye(env.body, sender)
 
     # -- status -----------------------------------------------------------------------------
 

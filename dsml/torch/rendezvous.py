@@ -18,6 +18,7 @@ from ..blocking import LoopThread
 from ..blocking import init as blocking_init
 from ..membership import Registry, open_registry
 from ..transport.addresses import format_tcp, resolve_host
+from ..transport.secret import adopt_published, secret_to_publish
 from .process_group import ProcessGroupDsml
 
 __all__ = ["HostedRegistry", "create_backend"]
@@ -58,7 +59,8 @@ def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) 
 
     Under `dsml run` (DSML_REGISTRY set) the first group joins the launcher's registry.
     Otherwise group rank 0 hosts a registry (on MASTER_ADDR's address, else loopback) and
-    publishes its address in torch's store; the other ranks read it there.
+    publishes its address in torch's store, and a fresh job secret unless the environment
+    names one; the other ranks read them there.
     """
     global _default_taken
     timeout_s = timeout.total_seconds()
@@ -69,12 +71,15 @@ def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) 
     else:
         key = f"{_STORE_KEY}/{_formation(store, size)}"
         if rank == 0:
+            secret = secret_to_publish("group rank 0 (through torch's store)")
             hosted = HostedRegistry(_registry_host())
             registry = hosted.address
-            store.set(key, registry)
+            store.set(f"{key}/secret", secret)
+            store.set(key, registry)  # last: who sees the address finds the secret
         else:
             store.wait([key], timeout)
             registry = store.get(key).decode()
+            adopt_published(store.get(f"{key}/secret").decode(), "torch's store")
     # Named by the global rank: errors of a sub-group's communicator name its own ranks,
     # and the name tells which process that is.
     name = f"torch rank {dist.get_rank() if dist.is_initialized() else rank}"

@@ -4,8 +4,9 @@ A worker's event loop can be busy for seconds (a long numpy step run inline from
 notebook cell); that worker is slow, not dead, and must not be evicted. So heartbeats come
 from a small thread with its own DEALER socket: they stop only when the process stops
 (killed, or paused with SIGSTOP), which is exactly what the registry needs to know. The
-thread only sends; answers arrive on the member's ordinary registry channel. With a
-`Curve`, the socket is a CURVE client like the member's other channels.
+thread only sends; answers arrive on the member's ordinary registry channel. The socket
+proves the job secret like the member's other channels (with a `Curve`, it is a CURVE
+client like them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import zmq
 from ..wire import Envelope, encode
 from .context import check_address, new_socket, use_family
 from .curve import Curve, make_curve_client
+from .secret import JobSecret, job_secret
+from .zap import make_secret_client
 
 __all__ = ["Beacon"]
 
@@ -36,6 +39,7 @@ class Beacon:
         make: Callable[[], Envelope],
         *,
         curve: Curve | None = None,
+        secret: JobSecret | None = None,
     ) -> None:
         check_address(address, "registry address")
         self.address = address
@@ -51,6 +55,8 @@ class Beacon:
         )
         if curve is not None:
             make_curve_client(self._sock, curve)
+        else:
+            make_secret_client(self._sock, identity, secret or job_secret())
         use_family(self._sock, address)
         self._sock.connect(address)
         self._thread = threading.Thread(target=self._run, name="dsml-heartbeat", daemon=True)

@@ -16,25 +16,21 @@ so libzmq never consults the handler for it.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import ipaddress
 import os
 import re
 import shutil
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from ..errors import ConfigError
 from .addresses import split_tcp
-from .context import _shared_context
+from .zap import curve_domain, enforce
 
 __all__ = ["Curve", "generate_keys", "is_loopback", "make_curve_client", "make_curve_server"]
 
@@ -229,49 +225,15 @@ def _create_pair(folder: Path, name: str) -> list[Path]:
 # -- sockets -----------------------------------------------------------------------------------
 
 
-class _Zap:
-    """The process's ZAP handler: started on first use, one domain per allowlist folder."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._auth: ThreadAuthenticator | None = None
-
-    def domain_for(self, folder: Path) -> bytes:
-        """(Re-)read `folder` as an allowlist and return the ZAP domain that checks it."""
-        folder = folder.resolve()
-        try:
-            zmq.auth.load_certificates(folder)  # configure_curve would only log a failure
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"cannot read the CURVE allowlist {folder}: {exc}; it should hold the "
-                "public keys (*.key) of the clients allowed to connect"
-            ) from exc
-        domain = "dsml-" + hashlib.sha256(os.fsencode(folder)).hexdigest()[:16]
-        with self._lock:
-            context = _shared_context()
-            if self._auth is None or self._auth.context is not context or not self._auth.is_alive():
-                self._auth = ThreadAuthenticator(context)
-                self._auth.start()
-            self._auth.configure_curve(domain=domain, location=str(folder))
-        return domain.encode()
-
-
-_zap = _Zap()
-
-
 def make_curve_server(sock: zmq.Socket[bytes], curve: Curve) -> None:
     """Make an unbound socket a CURVE server admitting only the keys in `curve.authorized`."""
-    domain = _zap.domain_for(curve.authorized)
+    domain = curve_domain(curve.authorized)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
     # libzmq (4.3) asks the ZAP handler only about sockets that have a domain: without one,
     # a CURVE server admits every client that knows its public key.
-    sock.setsockopt(zmq.ZAP_DOMAIN, domain)
-    # Fail closed: without this, a CURVE server whose ZAP handler is gone admits anyone. A
-    # libzmq without the option still has the handler started above, which suffices.
-    with contextlib.suppress(AttributeError, zmq.ZMQError):
-        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    enforce(sock, domain)
 
 
 def make_curve_client(sock: zmq.Socket[bytes], curve: Curve) -> None:

@@ -52,9 +52,13 @@ class _Reader:
         routed: bool,
         max_envelope_bytes: int,
         name: str,
+        bound_identity: bool = False,
     ) -> None:
         self.dropped = 0
         self.received = 0
+        #: messages whose routing identity was not the name their connection proved
+        self.impostors = 0
+        self._bound = bound_identity
         self.name = name
         self._sock = sock
         self._handler = handler
@@ -96,6 +100,11 @@ class _Reader:
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         sender = frames[0].bytes if self._routed else b""
+        if self._bound:  # the name the connection proved (zap.py), per message: a
+            user: str = frames[0].get("User-Id")  # type: ignore[assignment]
+            if user.encode() != sender:  # handover may have moved the identity since
+                self._impostor(sender, user)
+                return
         parts = frames[1:] if self._routed else frames
         try:
             if not parts or len(parts) > _MAX_PAYLOAD_FRAMES + 1:
@@ -117,6 +126,18 @@ class _Reader:
         except Exception:  # a handler bug must not kill the only reader of the socket
             self.dropped += 1
             log.exception("handler failed on a %s message; message dropped", env.kind.name)
+
+    def _impostor(self, sender: bytes, user: str) -> None:
+        """A connection authenticated as `user` sent under another member's identity."""
+        self.dropped += 1
+        self.impostors += 1
+        self._drop_log.warning(
+            log,
+            b"impostor:" + sender,
+            "dropped a message claiming to be %r from a connection authenticated as %r",
+            sender[:32],
+            user[:32],
+        )
 
     async def aclose(self) -> None:
         self._closed = True

@@ -15,8 +15,14 @@ descriptor signals edges, not levels, and any send or recv on the socket may con
 edge, so the reader drains until `EVENTS` says empty and is nudged after every send on its
 socket.
 
-With a `Curve`, an endpoint is a CURVE server that admits only allowlisted keys and a
-channel a CURVE client; without one, sockets use ZeroMQ's NULL mechanism as before.
+Every connection authenticates before any of its messages is read. By default an
+endpoint is a PLAIN server that admits only connections proving the job secret
+(secret.py, zap.py), and its reader drops (and counts) any message whose routing identity
+is not the name its connection authenticated as; a channel presents that proof for its
+own identity. With a `Curve`, an endpoint is a CURVE server that admits only allowlisted
+keys and a channel a CURVE client. Endpoints hand an identity over to a newer
+authenticated connection (`ROUTER_HANDOVER`): a member that reconnects takes its identity
+back instead of being ignored.
 
 The reader of each socket is in socket_reader.py, the frames and non-blocking sends in
 socket_send.py; the endpoint and the channel over them, and waiting for a closed
@@ -39,11 +45,13 @@ from ..errors import ConfigError, DsmlError
 from ..wire import MAX_ENVELOPE_BYTES, Envelope
 from .context import check_address, new_socket, use_family
 from .curve import Curve, make_curve_client, make_curve_server
+from .secret import JobSecret, job_secret
 from .socket_reader import _EVENTS, _FD, _NOBLOCK, _POLLIN, Handler, _Reader
 from .socket_send import _frame_of as _frame_of  # tests/test_transport_forward.py
 from .socket_send import _frames, _send, _try_send, _zero_copy_frames
 from .tracker import DONE, Sent
 from .watch import DisconnectWatch
+from .zap import make_secret_client, make_secret_server
 
 __all__ = ["Channel", "Endpoint", "Handler"]
 
@@ -79,13 +87,19 @@ class Endpoint:
         max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
         name: str = "endpoint",
         curve: Curve | None = None,
+        secret: JobSecret | None = None,
         rcvhwm: int = _HWM,
+        sndhwm: int = _HWM,
     ) -> Endpoint:
         """Bind address (port 0: the OS chooses) and start the reader task.
 
-        With `curve`, only clients whose public key is in `curve.authorized` (read now) get
-        through; others' messages never reach the handler. `rcvhwm` caps the messages
-        queued per connected peer before ZeroMQ stops reading from it (backpressure).
+        Only connections that prove `secret` (by default the process's, `job_secret()`)
+        get through, and a message reaches the handler only if its routing identity is the
+        name its connection authenticated as. With `curve`, only clients whose public key
+        is in `curve.authorized` (read now) get through instead. Others' messages never
+        reach the handler. `rcvhwm` caps the messages queued per connected peer before
+        ZeroMQ stops reading from it (backpressure); `sndhwm` those queued to one peer
+        before `send_nowait` drops (a peer that does not read).
         """
         check_address(address, "bind address")
         _refuse_live_ipc(address)
@@ -93,13 +107,16 @@ class Endpoint:
             zmq.ROUTER,
             MAXMSGSIZE=max_frame_bytes,
             RCVHWM=rcvhwm,
-            SNDHWM=_HWM,
+            SNDHWM=sndhwm,
             ROUTER_MANDATORY=1,
+            ROUTER_HANDOVER=1,
         )
         try:
             use_family(sock, address)
             if curve is not None:
                 make_curve_server(sock, curve)
+            else:
+                make_secret_server(sock, secret or job_secret())
             sock.bind(address[:-2] + ":*" if address.endswith(":0") else address)
         except zmq.ZMQError as exc:
             sock.close(0)
@@ -109,7 +126,12 @@ class Endpoint:
             raise
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         reader = _Reader(
-            sock, handler, routed=True, max_envelope_bytes=max_envelope_bytes, name=name
+            sock,
+            handler,
+            routed=True,
+            max_envelope_bytes=max_envelope_bytes,
+            name=name,
+            bound_identity=curve is None,
         )
         return cls(sock, bound, reader, curve=curve is not None)
 
@@ -121,6 +143,11 @@ class Endpoint:
     @property
     def received(self) -> int:
         return self._reader.received
+
+    @property
+    def impostors(self) -> int:
+        """Messages dropped because their routing identity was not their connection's."""
+        return self._reader.impostors
 
     def reachable(self, identity: bytes, env: Envelope) -> bool:
         """Whether a peer of that identity is connected now (a small message is sent)."""
@@ -245,15 +272,17 @@ class Channel:
         linger_s: float = 1.0,
         on_disconnect: Callable[[], None] | None = None,
         curve: Curve | None = None,
+        secret: JobSecret | None = None,
         on_refused: Callable[[str], None] | None = None,
         on_unreachable: Callable[[], None] | None = None,
     ) -> Channel:
         """Connect to address; with a handler, also read what the endpoint sends back.
 
-        `on_disconnect()` is called (on the loop) whenever the connection drops. With
-        `curve` the channel is a CURVE client, and `on_refused(reason)` is called (on the
-        loop) when the server refuses the handshake: a key not allowlisted, or CURVE on at
-        one end only. What is sent over a refused connection is never delivered; libzmq
+        `on_disconnect()` is called (on the loop) whenever the connection drops. The
+        channel proves `secret` (by default the process's) for `identity`; with `curve` it
+        is a CURVE client instead. `on_refused(reason)` is called (on the loop) when the
+        server refuses the handshake: another job's secret, a key not allowlisted, or
+        CURVE on at one end only. What is sent over a refused connection is never delivered; libzmq
         gives such a connection up, so `send` then raises ConfigError instead of waiting.
         `on_unreachable()` is called (on the loop, once) when the first connection keeps
         failing: nothing listens at `address` (libzmq goes on retrying).
@@ -273,6 +302,8 @@ class Channel:
             use_family(sock, address)
             if curve is not None:
                 make_curve_client(sock, curve)
+            else:
+                make_secret_client(sock, identity, secret or job_secret())
             if on_disconnect or on_refused or on_unreachable or curve is not None:
                 # Watch before connecting: a refused handshake can be over within microseconds.
                 watch = DisconnectWatch(
@@ -280,7 +311,8 @@ class Channel:
                     on_disconnect,
                     on_refused=on_refused,
                     on_unreachable=on_unreachable,
-                    handshakes=curve is not None,
+                    handshakes=True,
+                    mechanism="CURVE" if curve is not None else "PLAIN",
                 )
             sock.connect(address)
         except zmq.ZMQError as exc:

@@ -3,7 +3,7 @@
 ZeroMQ reconnects silently, so a peer that died is invisible to a sender until its queue
 fills. The monitor of a DEALER socket reports `DISCONNECTED` the moment the TCP connection
 drops (a killed process's kernel closes it at once), which is what turns a `kill -9` into a
-report within milliseconds instead of a heartbeat timeout. With CURVE, the monitor also
+report within milliseconds instead of a heartbeat timeout. The monitor also
 reports handshakes the server refused, which would otherwise look like a peer that never
 answers. And a first connection that keeps failing (nothing listens at that address: the
 process is gone) is reported after a few attempts, instead of messages queueing forever.
@@ -30,11 +30,32 @@ _RETRIED = int(zmq.EVENT_CONNECT_RETRIED)
 #: Failed attempts at a first connection before `on_unreachable` (libzmq retries every
 #: 100 ms or so; a refused loopback connection fails within microseconds).
 UNREACHABLE_AFTER = 2
+_CURVE_ELSEWHERE = (
+    "handshake failed: the other end uses CURVE (give this process the cluster's keys: "
+    "--curve-keys DIR or DSML_CURVE_KEYS)"
+)
 #: What each handshake failure means to the user (the monitor's words are libzmq's).
 _REFUSALS = {
-    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the server refused this key (not allowlisted)",
-    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "CURVE handshake failed (is CURVE on at both ends?)",
-    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "CURVE handshake failed (is CURVE on at both ends?)",
+    "CURVE": {
+        int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): (
+            "the server refused this key (not allowlisted: is this client's public key in its "
+            "DIR/authorized list?)"
+        ),
+        int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): (
+            "CURVE handshake failed (is CURVE on at both ends?)"
+        ),
+        int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): (
+            "CURVE handshake failed (is CURVE on at both ends?)"
+        ),
+    },
+    "PLAIN": {
+        int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): (
+            "another job's secret: every process of a job needs the same DSML_SECRET (or "
+            "DSML_SECRET_FILE, or per-user secret file ~/.config/dsml/secret)"
+        ),
+        int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): _CURVE_ELSEWHERE,
+        int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): _CURVE_ELSEWHERE,
+    },
 }
 _HANDSHAKE = int(
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -64,6 +85,7 @@ class DisconnectWatch:
         on_refused: Callable[[str], None] | None = None,
         on_unreachable: Callable[[], None] | None = None,
         handshakes: bool = False,
+        mechanism: str = "CURVE",
     ) -> None:
         """Watch `sock`; handshakes too when `handshakes` or `on_refused` is given."""
         self.disconnects = 0
@@ -76,6 +98,7 @@ class DisconnectWatch:
         self._on_refused = on_refused
         self._on_unreachable = on_unreachable
         self.refused: str | None = None  # why the last handshake failed; None once one succeeds
+        self._refusals = _REFUSALS[mechanism]
         watched = _WATCHED | (_HANDSHAKE if handshakes or on_refused is not None else 0)
         watched |= _RETRIED if on_unreachable is not None else 0
         self._monitor: zmq.Socket[bytes] = sock.get_monitor_socket(watched)
@@ -103,9 +126,9 @@ class DisconnectWatch:
                 self._call(self._on_disconnect)
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.refused = None
-            elif kind in _REFUSALS:
+            elif kind in self._refusals:
                 self.refusals += 1
-                reason = _REFUSALS[kind]
+                reason = self._refusals[kind]
                 if reason != self.refused:  # once, until a handshake succeeds or it changes
                     self.refused = reason
                     self._call(self._on_refused, reason)

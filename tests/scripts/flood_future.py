@@ -18,6 +18,7 @@ import time
 
 import zmq
 
+from dsml.transport import prove_secret
 from dsml.wire import Envelope, Fingerprint, Kind, encode
 
 
@@ -30,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"intruder-{os.getpid()}".encode())
+    prove_secret(sock, f"intruder-{os.getpid()}".encode())  # DSML_SECRET of the job
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.target)
