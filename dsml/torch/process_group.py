@@ -137,8 +137,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         """Close the communicator (and the registry this rank hosts), then wait, up to
         CLOSE_MEETING_S, until every rank of a group still whole has closed too (in
         torch's store), so that all leave `destroy_process_group` together, as Gloo's
-        ranks do. A rank that left first and made the next process group at once reached
-        rank 0's torch store of this one, closing a moment later, and failed."""
+        ranks do. (Rank 0 keeps serving that store for the next group: store.py.)"""
         self._close(meet=True)
 
     def _close(self, *, meet: bool) -> None:

@@ -1,8 +1,21 @@
-"""What the torch backend keeps in torch's store at a group's end (adapter layer).
+"""The backend's use of torch's store across groups: the end of one, the start of the next
+(adapter layer).
 
 `meet_at_close`: every rank of a closing group says in the group's store that it closed
 and waits (bounded) for the others, so that all leave `destroy_process_group` together,
 as Gloo's ranks do.
+
+`keep_store_server`: rank 0's TCPStore server lives as long as the process. torch's
+env:// (and tcp://) rendezvous has rank 0 serve the store at MASTER_PORT, one server per
+process group made, closed when torch drops the group's store. The ranks leave the
+meeting together, but not at the same instant: one that made its next group at once
+connected, at MASTER_PORT, to rank 0's server of the old group, still open for the moment
+rank 0 took to drop it, and then lost it (`DistNetworkError: Failed to recv, got 0 bytes`,
+seen under load). With the server kept, MASTER_PORT names one server for the whole
+process, as torchrun's agent store does for its ranks: rank 0's next TCPStore at that
+port shares it (torch's rendezvous makes them multi-tenant), and a rank that connects
+early reaches the server its next group uses. Keys of earlier groups stay in it, as in
+torchrun's store; `rendezvous._formation` numbers each group's keys for that reason.
 """
 
 from __future__ import annotations
@@ -11,10 +24,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["CLOSE_MEETING_S", "meet_at_close"]
+__all__ = ["CLOSE_MEETING_S", "keep_store_server", "meet_at_close"]
 
 #: `shutdown` waits at most this long for the other ranks to close too
 CLOSE_MEETING_S = 5.0
+
+# rank 0's TCPStores by port: holding one keeps its server open (see the module docstring)
+_kept: dict[int, dist.TCPStore] = {}
 
 
 def meet_at_close(store: dist.Store, key: str, rank: int, size: int) -> None:
@@ -25,3 +41,12 @@ def meet_at_close(store: dist.Store, key: str, rank: int, size: int) -> None:
         store.wait([f"{key}{r}" for r in range(size)], wait)
     except Exception:  # a rank that never closes (or a store gone) must not fail shutdown
         return
+
+
+def keep_store_server(store: dist.Store) -> None:
+    """Keep the TCPStore under `store` (torch wraps it in PrefixStores) until the process
+    ends, so that the server rank 0 runs at its port stays open between groups."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        _kept.setdefault(store.port, store)
