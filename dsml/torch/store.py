@@ -3,7 +3,9 @@
 
 `meet_at_close`: every rank of a closing group says in the group's store that it closed
 and waits (bounded) for the others, so that all leave `destroy_process_group` together,
-as Gloo's ranks do.
+as Gloo's ranks do. Rank 0 leaves last, once every other rank has seen the meeting end:
+under env:// it serves the store, and a rank still waiting there when rank 0's process
+exited got a broken pipe (torch printed a warning with its C++ stack).
 
 `keep_store_server`: rank 0's TCPStore server lives as long as the process. torch's
 env:// (and tcp://) rendezvous has rank 0 serve the store at MASTER_PORT, one server per
@@ -34,11 +36,16 @@ _kept: dict[int, dist.TCPStore] = {}
 
 
 def meet_at_close(store: dist.Store, key: str, rank: int, size: int) -> None:
-    """Say in the store that this rank closed, and wait (bounded) for the others'."""
+    """Say in the store that this rank closed, and wait (bounded) for the others'; rank 0
+    then waits (bounded) until the others have seen that too."""
+    wait = timedelta(seconds=CLOSE_MEETING_S)
     try:
         store.set(f"{key}{rank}", b"1")
-        wait = timedelta(seconds=CLOSE_MEETING_S)
         store.wait([f"{key}{r}" for r in range(size)], wait)
+        if rank != 0:
+            store.set(f"{key}left/{rank}", b"1")  # this rank's last use of the store
+        else:
+            store.wait([f"{key}left/{r}" for r in range(1, size)], wait)
     except Exception:  # a rank that never closes (or a store gone) must not fail shutdown
         return
 
