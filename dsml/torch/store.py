@@ -18,6 +18,8 @@ process, as torchrun's agent store does for its ranks: rank 0's next TCPStore at
 port shares it (torch's rendezvous makes them multi-tenant), and a rank that connects
 early reaches the server its next group uses. Keys of earlier groups stay in it, as in
 torchrun's store; `rendezvous._formation` numbers each group's keys for that reason.
+Under torchrun's agent store nothing is kept (rank 0 is one of its clients); a TCPStore
+the caller passed (`init_process_group(store=...)`) is kept alike, on rank 0.
 """
 
 from __future__ import annotations
