@@ -238,3 +238,26 @@ def test_misuse_fails_on_every_rank_within_seconds_and_uneven_all_to_all_works()
     result = dsml_run(3, "torch_bad_input.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split().count("ok") == 3, result.stdout
+
+
+def test_a_rank_that_makes_the_next_group_before_rank_0_has_left_destroy_joins_it():
+    """Under `dsml run` rank 0 serves torch's store at MASTER_PORT. A rank that made its
+    next group at once connected to rank 0's server of the old group, which closed a
+    moment later (DistNetworkError under load). Here rank 0 leaves every destroy only after
+    the others have joined the next group in that server: rank 0's server now lives as
+    long as its process, so they joined the one their next group uses."""
+    result = dsml_run(3, "torch_reinit_late_rank0.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for round_ in range(3):
+        assert result.stdout.count(f"round {round_} ok") == 3, result.stdout
+
+
+def test_rank_0_leaves_destroy_last_so_no_rank_finds_its_store_gone():
+    """Rank 0 serves torch's store under `dsml run`. The others, slow to wait in destroy's
+    closing meeting (a probe), met its closed server when rank 0's process had ended at
+    once, and torch printed a broken pipe with its C++ stack; rank 0 now leaves last."""
+    result = dsml_run(3, "torch_close_last_rank.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split().count("ok") == 3, result.stdout
+    for symptom in ("Broken pipe", "failed on SocketImpl", "Connection reset"):
+        assert symptom not in result.stderr, result.stderr[-3000:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,9 +20,11 @@ import torch.distributed as dist
 from ..collectives.interop import like
 from ..communicator import Communicator
 
-__all__ = ["Tensors"]
+__all__ = ["Run", "Tensors"]
 
 Tensors = list[torch.Tensor]
+#: one torch call as dsml calls: run on the communicator's loop thread, returns the outputs
+Run = Callable[[Communicator], Coroutine[Any, Any, Any]]
 _OPS = (
     (dist.ReduceOp.SUM, "sum"),
     (dist.ReduceOp.AVG, "avg"),

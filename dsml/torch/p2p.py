@@ -10,6 +10,9 @@ that no later receive overtakes a kept message, each receive of a tag first wait
 the any-source receives of that tag started before it have settled. Runs on the
 communicator's loop thread; receives start there in call order.
 
+`send`, `recv` and `recv_anysource` are the `Run`s of torch's point-to-point calls that
+`ProcessGroupDsml` (process_group.py) starts there.
+
 `monitored_barrier` is gloo's: every rank but 0 sends to rank 0 and waits for its answer;
 rank 0 waits for each rank (all of them with `wait_all_ranks`) within the timeout and
 names those that did not arrive, with gloo's messages.
@@ -26,8 +29,17 @@ import numpy as np
 
 from ..communicator import Communicator
 from ..errors import DsmlError
+from .mapping import Run, Tensors, _all, _copy_into
+from .work import RunState
 
-__all__ = ["MONITORED_BARRIER_TAG", "Receives", "monitored_barrier"]
+__all__ = [
+    "MONITORED_BARRIER_TAG",
+    "Receives",
+    "monitored_barrier",
+    "recv",
+    "recv_anysource",
+    "send",
+]
 
 #: the tag of monitored_barrier's messages (torch users' tags are small numbers)
 MONITORED_BARRIER_TAG = (1 << 31) - 1
@@ -125,6 +137,41 @@ class Receives:
     def __repr__(self) -> str:
         kept = sum(len(q) for by_src in self._kept.values() for q in by_src.values())
         return f"<Receives kept={kept} settling={len(self._settling)}>"
+
+
+def send(tensors: Tensors, dst: int, tag: int, timeout: float) -> Run:
+    """Each tensor to rank `dst`, in order."""
+
+    async def run(comm: Communicator) -> Tensors:
+        await _all([comm.send(t, dst, tag=tag, timeout=timeout) for t in tensors])
+        return tensors
+
+    return run
+
+
+def recv(receives: Receives, tensors: Tensors, src: int, tag: int, timeout: float) -> Run:
+    """Each tensor from rank `src`, in order (after any message kept for it)."""
+
+    async def run(comm: Communicator) -> Tensors:
+        for t in tensors:
+            _copy_into(t, await receives.recv(comm, src, tag, timeout))
+        return tensors
+
+    return run
+
+
+def recv_anysource(
+    receives: Receives, state: RunState, tensors: Tensors, tag: int, timeout: float
+) -> Run:
+    """Each tensor from whichever rank sends first; `state.source` says which."""
+
+    async def run(comm: Communicator) -> Tensors:
+        for t in tensors:
+            state.source, message = await receives.recv_any(comm, tag, timeout)
+            _copy_into(t, message)
+        return tensors
+
+    return run
 
 
 async def _awaited(handle: Any) -> Any:

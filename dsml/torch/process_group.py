@@ -8,16 +8,19 @@ tensors on the loop thread before the work completes. Tensors reach dsml through
 array interop: CPU tensors without a copy (in-place calls write into them), CUDA tensors
 through cupy.
 
-Mapping of torch's calls onto dsml's collectives (inputs flattened where torch's layout is
-a list of equal parts): allreduce -> all_reduce (several tensors, and
-allreduce_coalesced: one all_reduce of them concatenated); broadcast; reduce; allgather and
-all_gather_single -> all_gather; gather; scatter; reduce_scatter(_single) ->
-reduce_scatter; alltoall -> an all_gather of the part sizes and an all_to_all of the parts
-padded to the longest (all_to_all_single without split sizes -> all_to_all); barrier;
-send; recv. allgather_coalesced -> one all_gather of the inputs concatenated, split into
-outputs[rank][i]; a sparse allreduce -> sparse.py; recv_anysource and monitored_barrier
--> p2p.py. Every call form torch binds (options omitted, the tensor-and-argument
-overloads) becomes torch's options object first (options.py).
+This module is the object torch sees: its identity and devices, its end (`shutdown`,
+`abort`), and one method per entry point, which makes torch's call forms one (options
+omitted, the tensor-and-argument overloads: options.py) and starts the call that maps it
+onto dsml's collectives:
+
+- reductions.py: allreduce -> all_reduce (several tensors, and allreduce_coalesced: one
+  all_reduce of them concatenated; sparse tensors: sparse.py); broadcast; reduce;
+- gathers.py: allgather and all_gather_single -> all_gather; allgather_coalesced -> one
+  all_gather of the inputs concatenated, split into outputs[rank][i]; gather; scatter;
+- exchanges.py: reduce_scatter(_single) -> reduce_scatter; alltoall -> an all_gather of
+  the part sizes and an all_to_all of the parts padded to the longest (all_to_all_single
+  without split sizes -> all_to_all);
+- here, with p2p.py: barrier, send, recv, recv_anysource and monitored_barrier.
 
 Arguments that are wrong on one rank only (an output of the wrong size, unequal parts)
 raise ValueError there after taking the call's turn with a barrier, which the peers'
@@ -28,43 +31,28 @@ view changed (a member left or was lost) refuses every later call: torch groups 
 size and ranks.
 
 The helpers that map torch's arguments onto dsml's calls are in mapping.py; how a group
-finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py.
+finds its registry (`create_backend`, `HostedRegistry`) is in rendezvous.py; what it keeps
+in torch's store at its end in store.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..blocking import BlockingCommunicator
 from ..communicator import Communicator
 from ..errors import MembershipChangedError
-from .mapping import (
-    Tensors,
-    _all,
-    _code,
-    _copy_into,
-    _exchange,
-    _first_other,
-    _flat,
-    _gather_outputs_wrong,
-    _op_name,
-    _reduce_op,
-    _refuse,
-    _split_into,
-    _table,
-    _unequal,
-)
+from . import exchanges, gathers, p2p, reductions
+from .mapping import Run, Tensors, _flat, _op_name, _reduce_op
 from .options import options, tensor_list
-from .p2p import Receives, monitored_barrier
-from .sparse import all_reduce_sparse
+from .store import meet_at_close
 from .work import DsmlWork, RunState
 
 if TYPE_CHECKING:
@@ -73,8 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["ProcessGroupDsml"]
 
 _UNSET_TIMEOUT_S = 0.0
-#: `shutdown` waits at most this long for the other ranks to close too
-_CLOSE_MEETING_S = 5.0
 
 
 class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
@@ -100,7 +86,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         self._closed_key = f"dsml/closed/{comm.view.members[0].id}/"  # unique to this group
         self._group_name = ""
         self._group_desc = ""
-        self._receives = Receives()  # recv and recv_anysource (on the loop thread)
+        self._receives = p2p.Receives()  # recv and recv_anysource (on the loop thread)
         self._devices = [torch.device("cpu")]
         if importlib.util.find_spec("cupy") is not None:  # CUDA tensors go through cupy
             self._devices.append(torch.device("cuda"))
@@ -149,10 +135,9 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """Close the communicator (and the registry this rank hosts), then wait, up to
-        _CLOSE_MEETING_S, until every rank of a group still whole has closed too (in
+        CLOSE_MEETING_S, until every rank of a group still whole has closed too (in
         torch's store), so that all leave `destroy_process_group` together, as Gloo's
-        ranks do. A rank that left first and made the next process group at once reached
-        rank 0's torch store of this one, closing a moment later, and failed."""
+        ranks do. (Rank 0 keeps serving that store for the next group: store.py.)"""
         self._close(meet=True)
 
     def _close(self, *, meet: bool) -> None:
@@ -165,7 +150,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
                 self._registry = None
             store, self._store = self._store, None  # torch closes it once nobody holds it
             if meet and whole and store is not None:
-                _meet(store, self._closed_key, self.rank(), self.size())
+                meet_at_close(store, self._closed_key, self.rank(), self.size())
 
     def __repr__(self) -> str:
         return f"<ProcessGroupDsml rank={self.rank()}/{self.size()} {self.comm!r}>"
@@ -179,72 +164,25 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         opts = options("allreduce", opts, timeout=timeout)
         op, timeout_s = _op_name(_reduce_op(opts)), self._timeout(opts)
         if any(t.is_sparse for t in tensors):
-            return self._allreduce_sparse(tensors, op, timeout_s)
+            run = reductions.allreduce_sparse(tensors, op, timeout_s)
+            return self._start("sparse allreduce", run)
         if len(tensors) > 1:
-            return self._allreduce_together("allreduce", tensors, op, timeout_s)
-
-        async def run(comm: Communicator) -> Tensors:
-            await _all([comm.all_reduce(t, op, timeout=timeout_s) for t in tensors])
-            return tensors
-
-        return self._start("allreduce", run)
+            run = reductions.allreduce_together("allreduce", tensors, op, timeout_s)
+            return self._start("allreduce", run)
+        return self._start("allreduce", reductions.allreduce(tensors, op, timeout_s))
 
     def allreduce_coalesced(self, tensors: Tensors, opts: Any = None) -> DsmlWork:
         opts = options("allreduce_coalesced", opts)
         op, timeout = _op_name(_reduce_op(opts)), self._timeout(opts)
-        return self._allreduce_together("allreduce_coalesced", tensors, op, timeout)
-
-    def _allreduce_together(self, what: str, tensors: Tensors, op: str, timeout: float) -> DsmlWork:
-        """Several tensors reduced as one: all or none of them change. Concatenated into one
-        buffer (so a failure leaves every input as it was, where one all_reduce each would
-        have written those that succeeded), after an all_gather of their layout, so that
-        tensors of other shapes with the same total fail on every rank."""
-        wrong = ""
-        if len({(t.dtype, t.device) for t in tensors}) > 1:
-            wrong = f"{what}: the tensors must all have one dtype and device"
-        layout = _code([(tuple(t.shape), str(t.dtype)) for t in tensors])
-
-        async def run(comm: Communicator) -> Tensors:
-            table = await _table(comm, [bool(wrong), layout], timeout)
-            if table[:, 0].any():
-                bad = int(np.argmax(table[:, 0]))
-                raise ValueError(wrong or f"{what}: rank {bad}'s tensors differ in dtype or device")
-            other = _first_other(table, 0)
-            if other is not None:
-                raise ValueError(
-                    f"{what}: rank {other}'s tensors differ from rank 0's in number, shape or dtype"
-                )
-            if not tensors:
-                return tensors
-            flat = torch.cat([_flat(t) for t in tensors])
-            await comm.all_reduce(flat, op, timeout=timeout)
-            start = 0
-            for t in tensors:
-                t.copy_(flat[start : start + t.numel()].reshape(t.shape))
-                start += t.numel()
-            return tensors
-
-        return self._start(what, run)
-
-    def _allreduce_sparse(self, tensors: Tensors, op: str, timeout: float) -> DsmlWork:
-        async def run(comm: Communicator) -> Tensors:
-            for t in tensors:
-                await all_reduce_sparse(comm, t, op, timeout)
-            return tensors
-
-        return self._start("sparse allreduce", run)
+        run = reductions.allreduce_together("allreduce_coalesced", tensors, op, timeout)
+        return self._start("allreduce_coalesced", run)
 
     def broadcast(
         self, tensors: Tensors | torch.Tensor, opts: Any = None, timeout: timedelta | None = None
     ) -> DsmlWork:
         tensors = tensor_list(tensors)
         opts = options("broadcast", opts, timeout=timeout)
-        root, timeout_s = opts.rootRank, self._timeout(opts)
-
-        async def run(comm: Communicator) -> Tensors:
-            await _all([comm.broadcast(t, root, timeout=timeout_s) for t in tensors])
-            return tensors
-
+        run = reductions.broadcast(tensors, opts.rootRank, self._timeout(opts))
         return self._start("broadcast", run)
 
     def reduce(
@@ -257,12 +195,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         tensors = tensor_list(tensors)
         opts = options("reduce", opts, op=op, timeout=timeout)
         dsml_op, root, timeout_s = _op_name(opts.reduceOp), opts.rootRank, self._timeout(opts)
-
-        async def run(comm: Communicator) -> Tensors:
-            await _all([comm.reduce(t, root, dsml_op, timeout=timeout_s) for t in tensors])
-            return tensors
-
-        return self._start("reduce", run)
+        return self._start("reduce", reductions.reduce(tensors, root, dsml_op, timeout_s))
 
     # -- gathering ------------------------------------------------------------------------
 
@@ -272,18 +205,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         if isinstance(inputs, torch.Tensor):  # allgather(list of outputs, input)
             outputs, inputs = [tensor_list(outputs)], [inputs]
         timeout = self._timeout(options("allgather", opts))
-
-        wrong = _gather_outputs_wrong(self.size(), outputs, inputs)
-
-        async def run(comm: Communicator) -> list[Tensors]:
-            if wrong:
-                await _refuse(comm, len(inputs), ValueError(f"allgather: {wrong}"))
-            handles = [comm.all_gather(_flat(x), timeout=timeout) for x in inputs]
-            for parts, gathered in zip(outputs, await _all(handles), strict=True):
-                _split_into(parts, gathered)
-            return outputs
-
-        return self._start("allgather", run)
+        return self._start("allgather", gathers.allgather(self.size(), outputs, inputs, timeout))
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -295,18 +217,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def all_gather_single_coalesced(
         self, outputs: Tensors, inputs: Tensors, opts: Any = None
     ) -> DsmlWork:
-        timeout = self._timeout(opts)
-
-        wrong = _gather_outputs_wrong(self.size(), [[o] for o in outputs], inputs, whole=True)
-
-        async def run(comm: Communicator) -> Tensors:
-            if wrong:
-                await _refuse(comm, len(inputs), ValueError(f"all_gather_into_tensor: {wrong}"))
-            handles = [comm.all_gather(_flat(x), timeout=timeout) for x in inputs]
-            for out, gathered in zip(outputs, await _all(handles), strict=True):
-                _copy_into(out, gathered)
-            return outputs
-
+        run = gathers.allgather_into_tensors(self.size(), outputs, inputs, self._timeout(opts))
         return self._start("all_gather_single", run)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -316,28 +227,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     ) -> DsmlWork:
         """`outputs[r][i]` is rank r's `inputs[i]`: one all_gather of the inputs joined."""
         timeout = self._timeout(options("allgather", opts))
-        wrong = ""
-        if len(outputs) != self.size():
-            wrong = f"{len(outputs)} output lists for a group of {self.size()}"
-        elif len({t.dtype for t in inputs}) > 1:
-            wrong = "the inputs must all have one dtype"
-        for outs in outputs if not wrong else []:
-            if len(outs) != len(inputs):
-                wrong = f"an output list has {len(outs)} tensors for {len(inputs)} inputs"
-            wrong = wrong or _gather_outputs_wrong(1, [[o] for o in outs], inputs)
-            if wrong:
-                break
-
-        async def run(comm: Communicator) -> list[Tensors]:
-            if wrong:
-                await _refuse(comm, 1, ValueError(f"allgather_coalesced: {wrong}"))
-            if not inputs:
-                return outputs
-            whole = torch.cat([_flat(x) for x in inputs])
-            gathered = await comm.all_gather(whole, timeout=timeout)
-            _split_into([o for outs in outputs for o in outs], gathered)
-            return outputs
-
+        run = gathers.allgather_coalesced(self.size(), outputs, inputs, timeout)
         return self._start("allgather_coalesced", run)
 
     def gather(
@@ -351,29 +241,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
             outputs, inputs = [tensor_list(outputs)], [inputs]
         opts = options("gather", opts, timeout=timeout)
         root, timeout_s = opts.rootRank, self._timeout(opts)
-
-        x, wrong = inputs[0], ""
-        if self.rank() == root:
-            wrong = _gather_outputs_wrong(self.size(), outputs, inputs)
-
-        async def run(comm: Communicator) -> list[Tensors]:
-            # Every rank learns every input's size and dtype and whether the root's outputs
-            # fit: an error on one rank is an error on all (the root alone could tell).
-            table = await _table(comm, [bool(wrong), x.numel(), _code(x.dtype)], timeout_s)
-            if table[root, 0]:
-                raise ValueError(f"gather: {wrong or f'rank {root} has wrong outputs'}")
-            other = _first_other(table, root)
-            if other is not None:
-                raise ValueError(
-                    f"gather: rank {other}'s input ({table[other, 1]} elements) differs in size "
-                    f"or dtype from rank {root}'s ({table[root, 1]}): every rank's input must "
-                    "match one output"
-                )
-            gathered = await comm.gather(_flat(x), root, timeout=timeout_s)
-            if gathered is not None:
-                _split_into(outputs[0], gathered)
-            return outputs
-
+        run = gathers.gather(self.rank(), self.size(), outputs, inputs, root, timeout_s)
         return self._start("gather", run)
 
     def scatter(
@@ -387,30 +255,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
             outputs, inputs = [outputs], ([list(inputs)] if inputs else [])
         opts = options("scatter", opts, timeout=timeout)
         root, timeout_s = opts.rootRank, self._timeout(opts)
-        parts, out = (inputs[0] if inputs else None), outputs[0]
-        wrong = _unequal("scatter", parts, self.size()) if parts is not None else ""
-        if self.rank() == root and parts is None:
-            wrong = "scatter: the root has no parts to scatter"
-        part = parts[0] if parts and not wrong else out  # what every output must match
-
-        async def run(comm: Communicator) -> Tensors:
-            # Every rank learns whether the root's parts fit every rank's output, so a
-            # wrong output on one rank is an error on all (not that rank alone).
-            mine = [bool(wrong), out.numel(), _code(out.dtype), part.numel(), _code(part.dtype)]
-            table = await _table(comm, mine, timeout_s)
-            if table[root, 0]:
-                raise ValueError(wrong or f"scatter: rank {root} has wrong parts")
-            for r in range(len(table)):
-                if table[r, 1] != table[root, 3] or table[r, 2] != table[root, 4]:
-                    raise ValueError(
-                        f"scatter: rank {r}'s output ({table[r, 1]} elements) does not match "
-                        f"the parts of rank {root} ({table[root, 3]} elements) in size or dtype"
-                    )
-            whole = torch.cat([_flat(p) for p in parts]) if parts is not None else None
-            mine = await comm.scatter(whole, root, timeout=timeout_s)
-            _copy_into(outputs[0], mine)
-            return outputs
-
+        run = gathers.scatter(self.rank(), self.size(), outputs, inputs, root, timeout_s)
         return self._start("scatter", run)
 
     # -- reduce-scatter and all-to-all --------------------------------------------------------
@@ -425,8 +270,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, list of parts, op)
             outputs, inputs = [outputs], [list(inputs)]
         opts = options("reduce_scatter", opts, timeout=timeout)
-        wrong = next(filter(None, (_unequal("reduce_scatter", p, self.size()) for p in inputs)), "")
-        wholes = [torch.cat([_flat(p) for p in parts]) for parts in inputs]
+        wholes, wrong = exchanges.reduce_scatter_parts(self.size(), inputs)
         return self._reduce_scatter("reduce_scatter", outputs, wholes, opts, wrong)
 
     def reduce_scatter_single(
@@ -449,42 +293,11 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     ) -> DsmlWork:
         opts = options("reduce_scatter", opts)
         op, timeout = _op_name(opts.reduceOp), self._timeout(opts)
-        for out, whole in zip(outputs, wholes, strict=True):
-            if not wrong and whole.numel() != out.numel() * self.size():
-                wrong = (
-                    f"{what}: the input has {whole.numel()} elements; it needs world size "
-                    f"({self.size()}) x the output's {out.numel()}"
-                )
-            if not wrong and whole.dtype != out.dtype:
-                wrong = f"{what}: the output is {out.dtype}, the input {whole.dtype}"
-
-        async def run(comm: Communicator) -> Tensors:
-            if wrong:
-                await _refuse(comm, len(wholes), ValueError(wrong))
-            handles = [comm.reduce_scatter(w, op, timeout=timeout) for w in wholes]
-            for out, mine in zip(outputs, await _all(handles), strict=True):
-                _copy_into(out, mine)
-            return outputs
-
+        run = exchanges.reduce_scatter(what, self.size(), outputs, wholes, op, timeout, wrong)
         return self._start(what, run)
 
     def alltoall(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> DsmlWork:
-        timeout, size = self._timeout(opts), self.size()
-        wrong = ""
-        if len(inputs) != size or len(outputs) != size:
-            wrong = (
-                f"all_to_all: {len(inputs)} input and {len(outputs)} output parts in a group "
-                f"of {size}"
-            )
-
-        async def run(comm: Communicator) -> Tensors:
-            if wrong:  # one barrier: the peers fail at the first of their two collectives
-                await _refuse(comm, 1, ValueError(wrong))
-            # Always the same two collectives, whatever this rank's sizes: choosing by them
-            # (equal parts: one all_to_all) let ranks take different paths and hang.
-            await _exchange(comm, [_flat(t) for t in inputs], outputs, timeout)
-            return outputs
-
+        run = exchanges.alltoall(self.size(), outputs, inputs, self._timeout(opts))
         return self._start("alltoall", run)
 
     def all_to_all_single(
@@ -495,34 +308,10 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         input_split_sizes: Sequence[int],
         opts: Any = None,
     ) -> DsmlWork:
-        size, timeout = self.size(), self._timeout(opts)
-        if not output_split_sizes and not input_split_sizes:
-            wrong = ""
-            if input.shape[0] % size:
-                wrong = (
-                    f"all_to_all_single: dim 0 ({input.shape[0]}) must divide by the world "
-                    f"size ({size}) when no split sizes are given"
-                )
-
-            async def even(comm: Communicator) -> Tensors:
-                if wrong:
-                    await _refuse(comm, 1, ValueError(wrong))
-                _copy_into(output, await comm.all_to_all(_flat(input), timeout=timeout))
-                return [output]
-
-            return self._start("all_to_all_single", even)
-        try:
-            ins = list(torch.split(input, list(input_split_sizes) or input.shape[0] // size))
-            outs = list(torch.split(output, list(output_split_sizes) or output.shape[0] // size))
-        except RuntimeError as exc:  # split sizes that do not add up to the tensor
-            error = ValueError(f"all_to_all_single: {exc}")
-
-            async def refused(comm: Communicator) -> Tensors:
-                await _refuse(comm, 1, error)
-                return []
-
-            return self._start("all_to_all_single", refused)
-        return self.alltoall(outs, ins, opts)
+        what, run = exchanges.alltoall_single(
+            self.size(), output, input, output_split_sizes, input_split_sizes, self._timeout(opts)
+        )
+        return self._start(what, run)
 
     alltoall_base = all_to_all_single
 
@@ -546,7 +335,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
         timeout_s = self._timeout_s if seconds is None else float(seconds)
 
         async def run(comm: Communicator) -> Tensors:
-            await monitored_barrier(comm, timeout_s, wait_all_ranks)
+            await p2p.monitored_barrier(comm, timeout_s, wait_all_ranks)
             return []
 
         work = self._start("monitored_barrier", run)
@@ -558,33 +347,18 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
             raise
 
     def send(self, tensors: Tensors, dst: int, tag: int) -> DsmlWork:
-        async def run(comm: Communicator) -> Tensors:
-            await _all([comm.send(t, dst, tag=tag, timeout=self._timeout_s) for t in tensors])
-            return tensors
-
-        return self._start(f"send to rank {dst}", run)
+        return self._start(f"send to rank {dst}", p2p.send(tensors, dst, tag, self._timeout_s))
 
     def recv(self, tensors: Tensors, src: int, tag: int) -> DsmlWork:
         state = RunState(source=src)
-
-        async def run(comm: Communicator) -> Tensors:
-            for t in tensors:
-                _copy_into(t, await self._receives.recv(comm, src, tag, self._timeout_s))
-            return tensors
-
+        run = p2p.recv(self._receives, tensors, src, tag, self._timeout_s)
         return self._start(f"recv from rank {src}", run, state)
 
     def recv_anysource(self, tensors: Tensors, tag: int) -> DsmlWork:
         """Receive from whichever rank sends first (p2p.py); `work._source_rank()` says
         which, once the work has completed."""
         state = RunState()
-
-        async def run(comm: Communicator) -> Tensors:
-            for t in tensors:
-                state.source, message = await self._receives.recv_any(comm, tag, self._timeout_s)
-                _copy_into(t, message)
-            return tensors
-
+        run = p2p.recv_anysource(self._receives, state, tensors, tag, self._timeout_s)
         return self._start("recv from any rank", run, state)
 
     # -- running on the loop ------------------------------------------------------------------
@@ -599,7 +373,7 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
     def _start(
         self,
         what: str,
-        run: Callable[[Communicator], Coroutine[Any, Any, Any]],
+        run: Run,
         run_state: RunState | None = None,
     ) -> DsmlWork:
         """Run `run(comm)` on the loop thread (started in call order); its Work now."""
@@ -626,13 +400,3 @@ class ProcessGroupDsml(dist.ProcessGroup):  # type: ignore[misc]
 
         future = asyncio.run_coroutine_threadsafe(checked(comm), self.comm.loop)
         return DsmlWork(future, what, run_state)
-
-
-def _meet(store: dist.Store, key: str, rank: int, size: int) -> None:
-    """Say in the store that this rank closed, and wait (bounded) for the others'."""
-    try:
-        store.set(f"{key}{rank}", b"1")
-        wait = timedelta(seconds=_CLOSE_MEETING_S)
-        store.wait([f"{key}{r}" for r in range(size)], wait)
-    except Exception:  # a rank that never closes (or a store gone) must not fail shutdown
-        return

@@ -20,6 +20,7 @@ from ..membership import Registry, open_registry
 from ..transport.addresses import format_tcp, resolve_host
 from ..transport.secret import adopt_published, secret_to_publish
 from .process_group import ProcessGroupDsml
+from .store import keep_store_server
 
 __all__ = ["HostedRegistry", "create_backend"]
 
@@ -64,6 +65,8 @@ def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) 
     """
     global _default_taken
     timeout_s = timeout.total_seconds()
+    if rank == 0 and not dist.is_initialized() and not _agent_store():
+        keep_store_server(store)  # the default group's: rank 0 serves it (store.py)
     hosted: HostedRegistry | None = None
     registry = os.environ.get("DSML_REGISTRY", "").strip()
     if registry and not _default_taken and str(size) == os.environ.get("DSML_WORLD_SIZE"):
@@ -100,6 +103,12 @@ def _formation(store: dist.Store, size: int) -> int:
     adds one to a counter as it joins; a formation ends only after all its ranks added,
     so the counter's value over `size` numbers formations alike on every rank."""
     return (int(store.add(_FORMATIONS_KEY, 1)) - 1) // size
+
+
+def _agent_store() -> bool:
+    """Whether torchrun's agent serves the store (every rank is a client), as torch's
+    rendezvous decides it."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
 def _registry_host() -> str:
