@@ -196,9 +196,7 @@ class RegistryClient:
         refused = asyncio.ensure_future(self._refused.wait())
         try:
             async with asyncio.timeout(self.config.registry_timeout):
-                done, _ = await asyncio.wait(
-                    [*waits, refused], return_when=asyncio.FIRST_COMPLETED
-                )
+                done, _ = await asyncio.wait([*waits, refused], return_when=asyncio.FIRST_COMPLETED)
             if refused in done:
                 raise RegistryUnavailableError(
                     f"the registry at {self.address} refused this process's connection: "
