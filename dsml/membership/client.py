@@ -197,7 +197,8 @@ class RegistryClient:
         try:
             async with asyncio.timeout(self.config.registry_timeout):
                 done, _ = await asyncio.wait([*waits, refused], return_when=asyncio.FIRST_COMPLETED)
-            if refused in done:
+            replies = [w for w in done if w is not refused]
+            if not replies:
                 raise RegistryUnavailableError(
                     f"the registry at {self.address} refused this process's connection: "
                     f"{self._refusal}",
@@ -219,7 +220,8 @@ class RegistryClient:
             refused.cancel()
             for wait in waits:
                 wait.cancel()
-        return next(iter(done)).result()
+        reply: Envelope = replies[0].result()
+        return reply
 
     async def join(
         self, world_size: int, rank: int | None = None, *, running: bool = False
