@@ -220,7 +220,8 @@ class RegistryClient:
             refused.cancel()
             for wait in waits:
                 wait.cancel()
-        reply: Envelope = replies[0].result()
+        reply = replies[0].result()
+        assert isinstance(reply, Envelope)
         return reply
 
     async def join(
