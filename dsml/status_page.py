@@ -12,8 +12,10 @@ its own, and keeps the latest reply and the last minute of each rank's median ti
 - `/status.json`: the registry's last reply as it came;
 - anything else: 404. Only GET and HEAD are served; the page runs no script.
 
-It binds loopback unless told otherwise, like everything in dsml; the page has no
-authentication of its own, so naming a public address shows the job to whoever reaches it.
+It binds loopback unless told otherwise, like everything in dsml, and `dsml status`
+serves it behind the job secret: under a path made of an HMAC of the secret
+(`/<token>/`, `/<token>/status.json`), printed when it starts, so only a holder of the
+secret can find it (`page_token`); any other path is 404.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Any
 from .errors import DsmlError
 from .membership import query_status
 from .status_view import PARTS, Row, rows
+from .transport import JobSecret
 
-__all__ = ["StatusPoller", "page", "serve"]
+__all__ = ["StatusPoller", "page", "page_token", "serve"]
 
 HISTORY_S = 60.0  # the plot's span
 _POLICY = "default-src 'none'; style-src 'unsafe-inline'"  # no script, nothing fetched
@@ -103,8 +106,19 @@ class StatusPoller:
         return f"<StatusPoller {self.address} every {self.interval:g} s>"
 
 
-def serve(poller: StatusPoller, host: str, port: int) -> http.server.ThreadingHTTPServer:
-    """An HTTP server of the page on (host, port) (port 0: any); call `serve_forever()`."""
+def page_token(secret: JobSecret) -> str:
+    """The path under which `dsml status --serve` shows the job: derived from the secret,
+    so the same on every start and unknown to whoever does not hold it."""
+    return secret.password(b"dsml-status-page").decode()[:32]
+
+
+def serve(
+    poller: StatusPoller, host: str, port: int, token: str = ""
+) -> http.server.ThreadingHTTPServer:
+    """An HTTP server of the page on (host, port) (port 0: any); call `serve_forever()`.
+
+    With `token`, the page is at `/<token>/` and its data at `/<token>/status.json`."""
+    root = f"/{token}/" if token else "/"
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # the name http.server calls
@@ -116,10 +130,10 @@ def serve(poller: StatusPoller, host: str, port: int) -> http.server.ThreadingHT
         def _answer(self, send_body: bool) -> None:
             path = self.path.split("?", 1)[0]
             status, error, at, history = poller.latest()
-            if path == "/":
+            if path == root:
                 body = page(poller.address, status, error, at, history, poller.interval)
                 kind = "text/html; charset=utf-8"
-            elif path == "/status.json":
+            elif path == root + "status.json":
                 body, kind = json.dumps(status, indent=1), "application/json"
             else:
                 self.send_error(404, "not found (the page is /, its data /status.json)")

@@ -33,6 +33,7 @@ from dsml.membership.live import mark_waited_for, read_summary
 from dsml.status_page import StatusPoller, page, serve
 from dsml.status_view import STRAGGLER_RATIO, render, rows
 from dsml.testing import open_local_cluster
+from dsml.transport import prove_secret
 from dsml.wire import Envelope, Kind
 from dsml.wire.envelope import encode
 
@@ -133,7 +134,7 @@ async def test_a_heartbeat_with_a_malformed_summary_is_dropped_and_counted():
     async with open_registry("tcp://127.0.0.1:0") as registry:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"mallory.hb")
+        prove_secret(sock, b"mallory.hb")  # the job's secret: judged on its bytes alone
         try:
             sock.connect(registry.address)
             for bad in ({"call": "everything"}, {**summary(), "p50_us": [1] * 7}):
@@ -477,9 +478,10 @@ def test_the_status_page_in_headless_chromium_marks_the_stuck_rank(tmp_path: Pat
         ),
     ):
         serving = lines.wait_for(lambda line: "serving http://" in line)
-        found = re.search(r"(http://127\.0\.0\.1:\d+/) ", serving)
+        found = re.search(r"(http://127\.0\.0\.1:\d+/)(\w+/) ", serving)
         assert found is not None, serving
-        url = found[1]
+        url = found[1] + found[2]
+        assert fetch(found[1])[0] == 404  # without the secret's path: nothing
 
         def page_data() -> dict[str, Any]:
             with urllib.request.urlopen(url + "status.json", timeout=10) as answer:

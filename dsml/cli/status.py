@@ -19,9 +19,9 @@ from typing import Any
 
 from ..errors import ConfigError, RegistryUnavailableError
 from ..membership import query_status
-from ..status_page import StatusPoller, serve
+from ..status_page import StatusPoller, page_token, serve
 from ..status_view import render
-from ..transport import Curve
+from ..transport import Curve, job_secret
 from .keys import add_curve_keys_option
 
 __all__ = ["add_parser"]
@@ -129,18 +129,18 @@ def _serve(args: argparse.Namespace, curve: Curve | None) -> None:
     host, port = _host_port(args.serve)
     poller = StatusPoller(args.registry, args.interval, args.wait, curve).start()
     try:
-        server = serve(poller, host, port)
+        token = page_token(job_secret())
+        server = serve(poller, host, port, token)
     except OSError as exc:
         poller.stop()
         raise ConfigError(f"--serve {args.serve}: cannot listen there ({exc})") from exc
     bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
     shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host
-    if not ipaddress.ip_address(bound_host).is_loopback:
-        print(
-            "dsml status: the page has no login; anyone who reaches this address sees the job",
-            file=sys.stderr,
-        )
-    print(f"dsml status: serving http://{shown}:{bound_port}/ (Ctrl-C stops)", flush=True)
+    print(
+        f"dsml status: serving http://{shown}:{bound_port}/{token}/ (Ctrl-C stops; the path "
+        "is derived from the job secret: whoever holds it can find the page, nobody else)",
+        flush=True,
+    )
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
