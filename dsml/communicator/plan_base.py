@@ -1,11 +1,12 @@
-"""What a plan is made of: requests, plans, and the planner's shared checks (communicator layer).
+"""What a plan is made of: requests, plans, the plans' shared state (communicator layer).
 
 `Request` is one collective call as the user made it, `Plan` a validated call (its
-fingerprint and the coroutine that runs it over a `Call`). `PlannerBase` holds what every
+fingerprint and the coroutine that runs it over a `Call`). `PlanState` holds what every
 plan of one communicator shares: the work-buffer pools, the remembered argument checks,
-the chunk size, the placement and the shared-memory hook, and the argument checks and
-buffer helpers the plans use. The plans themselves are in plan_reductions.py and
-plan_movement.py; `Planner` (plans.py) dispatches a request to them.
+the chunk size, the placement, the `auto` chooser and the shared-memory hook, with the
+argument checks and buffer helpers the plans use. The plans themselves are plain
+functions of a `PlanState` (plan_reductions.py, plan_movement.py); `plan` (plans.py)
+dispatches a request to them through one table.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ if TYPE_CHECKING:
     from .placement import Placement
     from .shm_hook import ShmHook
 
-__all__ = ["ROOTED", "SHM_ALGORITHMS", "Plan", "PlannerBase", "Request", "loose_fingerprint"]
+__all__ = [
+    "ROOTED",
+    "SHM_ALGORITHMS",
+    "Plan",
+    "PlanState",
+    "Request",
+    "check_root",
+    "loose_fingerprint",
+    "rows_view",
+]
 
 SHM_ALGORITHMS = ("shm", "hierarchical")
 _MEMO_SIZE = 256  # remembered argument checks and fingerprints per communicator
@@ -63,7 +73,7 @@ ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One collective call as the user made it, before any check (see `Planner.plan`).
+    """One collective call as the user made it, before any check (see `plans.plan`).
 
     This is where the caller's arrays enter the communicator: `x` is exactly what the
     public method received (adapters convert before they build a request).
@@ -117,13 +127,24 @@ def _valid_int(value: object) -> bool:
     return type(value) is int and 0 <= value < 1 << 63
 
 
-def _rows_view(x: Array) -> Array:
+def rows_view(x: Array) -> Array:
     """x with at least one axis (a 0-d array counts as shape (1,))."""
     return x.reshape(1) if x.ndim == 0 else x
 
 
-class PlannerBase:
-    """The state and checks shared by every plan of one communicator; see `Planner`."""
+def check_root(root: object, size: int) -> int:
+    """`root` as a rank of a group of `size`; `ConfigError` otherwise."""
+    value = as_int(root)
+    if value is None or not 0 <= value < size:
+        raise ConfigError(f"root={root!r} is not a rank of this group of {size} (0..{size - 1})")
+    return value
+
+
+class PlanState:
+    """What every plan of one communicator shares (its only writer: the plan functions,
+    through these methods); made once per communicator by its `Session`."""
+
+    __slots__ = ("_memo", "_pools", "auto", "chunk", "placement", "shm")
 
     def __init__(
         self,
@@ -133,14 +154,14 @@ class PlannerBase:
         shm: ShmHook | None = None,
     ) -> None:
         self._pools: dict[str, BufferPool] = {}
-        self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
-        self._placement = placement
-        self._auto = auto  # what `auto` runs across hosts (None: the size table)
-        self._shm = shm  # the same-host shared-memory plane (shm_hook.py)
+        self.chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
+        self.placement = placement
+        self.auto = auto  # what `auto` runs across hosts (None: the size table)
+        self.shm = shm  # the same-host shared-memory plane (shm_hook.py)
         #: what the checks of repeated arguments gave (a training loop repeats a few)
         self._memo: dict[Any, Any] = {}
 
-    def _memo_get(self, key: Any, make: Callable[[], T]) -> T:
+    def memo_get(self, key: Any, make: Callable[[], T]) -> T:
         """make(), remembered under `key`: for pure checks and fingerprints, whose result
         depends on the key alone. An unhashable key (an odd op) is simply not kept."""
         try:
@@ -156,19 +177,20 @@ class PlannerBase:
         return value
 
     def pool(self, be: ArrayBackend) -> BufferPool:
+        """The work-buffer pool of this backend's arrays."""
         if be.name not in self._pools:
             self._pools[be.name] = BufferPool(be)
         return self._pools[be.name]
 
     # -- argument checks --------------------------------------------------------------------
 
-    def _array(
+    def array(
         self, x: object, what: str = "x", *, writable: bool = False
     ) -> tuple[Array, ArrayBackend, str]:
         """(x as a plain array sharing its memory, its backend, its dtype's wire name)."""
         be = timed(backend_of(x, what))  # reductions and copies count in comm.stats()
         dtype = x.dtype  # type: ignore[attr-defined]
-        name: str = self._memo_get(("dtype", dtype), lambda: dtype_name(dtype))
+        name: str = self.memo_get(("dtype", dtype), lambda: dtype_name(dtype))
         if writable:
             if not getattr(x.flags, "writeable", True):  # type: ignore[attr-defined]
                 raise ConfigError(
@@ -189,16 +211,7 @@ class PlannerBase:
                 )
         return be.plain(x), be, name
 
-    @staticmethod
-    def _root(root: object, size: int) -> int:
-        value = as_int(root)
-        if value is None or not 0 <= value < size:
-            raise ConfigError(
-                f"root={root!r} is not a rank of this group of {size} (0..{size - 1})"
-            )
-        return value
-
-    def _flat_input(self, be: ArrayBackend, x: Array) -> tuple[Array, Array | None]:
+    def flat_input(self, be: ArrayBackend, x: Array) -> tuple[Array, Array | None]:
         """A flat contiguous view of x, or a pooled copy (returned second, to release)."""
         view = be.flat_view(x)
         if view is not None:
@@ -207,7 +220,13 @@ class PlannerBase:
         be.copy_flat(x, buf)
         return buf, buf
 
-    def _release(self, be: ArrayBackend, *bufs: Array | None) -> None:
+    def release(self, be: ArrayBackend, *bufs: Array | None) -> None:
         for buf in bufs:
             if buf is not None:
                 self.pool(be).release(buf)
+
+    def __repr__(self) -> str:
+        return (
+            f"<PlanState chunk_bytes={self.chunk} pools={sorted(self._pools)} "
+            f"memo={len(self._memo)} auto={self.auto is not None} shm={self.shm is not None}>"
+        )

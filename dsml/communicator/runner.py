@@ -42,7 +42,8 @@ from .collective_handle import (
 )
 from .deadlines import Deadlines
 from .flight import FlightRecorder
-from .plans import Planner, Request
+from .plans import PlanState, Request
+from .plans import plan as make_plan
 from .progress import ProgressLog
 from .runner_calls import RunnerCalls
 from .stats import CallStats
@@ -63,7 +64,7 @@ class Runner(RunnerCalls):
         self,
         table: CallTable,
         views: Views,
-        planner: Planner,
+        plans: PlanState,
         tasks: TaskOwner,
         config: CommConfig,
         loop: asyncio.AbstractEventLoop,
@@ -76,7 +77,7 @@ class Runner(RunnerCalls):
         self.broken: DsmlError | None = None
         self._table = table
         self._views = views
-        self._planner = planner
+        self._plans = plans
         self._tasks = tasks
         self._config = config
         self._loop = loop
@@ -225,7 +226,7 @@ class Runner(RunnerCalls):
         cid = self._table.take_cid()
         try:
             budget = self.budget(request.timeout)
-            plan = self._planner.plan(request, self._table.rank, self._table.size)
+            plan = make_plan(self._plans, request, self._table.rank, self._table.size)
         except ConfigError as exc:
             rejected = Call(self._table, cid, request.loose_fingerprint(), self._config.timeout)
             reason = f"rank {self._table.rank} rejected its arguments: {exc}"
