@@ -85,6 +85,7 @@ class Session:
         # flight_dir: the root's writes flight records there (sub-groups' only on request)
         self.plans = PlanState(config.chunk_bytes, placement, auto, shm)
         self.runner = Runner(table, views, self.plans, tasks, config, loop, flight_dir)
+        self.calls = self.runner.calls  # starts sends and receives (runner_calls.py)
         self.p2p = PointToPoint(table, self.placement, tasks)
         self.engine_link = EngineLink(
             self.runner, self.start, self.where, trace=config.engine_trace
@@ -150,7 +151,7 @@ class Session:
             call = Call(self.table, 0, fp, budget, peer=dst_, tag=tag_)
             what = f"send to rank {dst_} (tag {tag_})"
             hint = f"is rank {dst_} alive and connected?"
-            return self.runner.p2p(call, send(call), what, hint)
+            return self.calls.p2p(call, send(call), what, hint)
 
         return self.runner.on_loop(start)
 
@@ -166,7 +167,7 @@ class Session:
             hint = (
                 f"rank {peer} has not sent it: check that it calls send(x, {self.rank}, tag={tag_})"
             )
-            return self.runner.p2p(call, self.p2p.receive(call, peer, tag_), what, hint)
+            return self.calls.p2p(call, self.p2p.receive(call, peer, tag_), what, hint)
 
         return self.runner.on_loop(start)
 
