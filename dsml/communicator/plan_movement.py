@@ -23,7 +23,8 @@ from ..collectives import (
 )
 from ..wire import Fingerprint
 from .call import Call
-from .plan_base import Plan, PlanState, Request, rows_view
+from .plan_base import Plan, Request, rows_view
+from .plan_state import PlanState
 
 __all__ = [
     "plan_all_gather",

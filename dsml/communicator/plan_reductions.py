@@ -32,7 +32,8 @@ from ..collectives.select import choose_all_reduce as by_size
 from ..wire import Fingerprint
 from . import stats
 from .call import Call
-from .plan_base import SHM_ALGORITHMS, Plan, PlanState, Request, rows_view
+from .plan_base import SHM_ALGORITHMS, Plan, Request, rows_view
+from .plan_state import PlanState
 
 __all__ = [
     "all_reduce_choice",

@@ -10,8 +10,8 @@ succeeded, so a failed call leaves every input intact. Plans are made for numpy 
 The plans: plan_reductions.py (all_reduce, reduce, reduce_scatter, and
 `choose_all_reduce`, the one place that decides what an all_reduce runs) and
 plan_movement.py (broadcast, all_gather, gather, scatter, all_to_all, barrier); what
-they share is in plan_base.py (`Request`, `Plan`, `PlanState`). This module dispatches a
-request to its plan through `PLANS`.
+they share is in plan_base.py (`Request`, `Plan`) and plan_state.py (`PlanState`). This
+module dispatches a request to its plan through `PLANS`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from .plan_base import (
     ROOTED,
     SHM_ALGORITHMS,
     Plan,
-    PlanState,
     Request,
     check_root,
     loose_fingerprint,
@@ -39,6 +38,7 @@ from .plan_movement import (
     plan_scatter,
 )
 from .plan_reductions import plan_all_reduce, plan_reduce, plan_reduce_scatter
+from .plan_state import PlanState
 
 __all__ = [
     "PLANS",
