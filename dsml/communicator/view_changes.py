@@ -53,7 +53,7 @@ from .view_losses import (
     lost_error,
     no_quorum_error,
     no_view_error,
-    sub_group_lost_error,
+    sub_group_failure,
 )
 from .view_states import TRANSITIONS, ViewListener, Views, ViewState, transition
 
@@ -137,20 +137,9 @@ class ViewChanges:
     # -- errors (view_losses.py) ------------------------------------------------------------
 
     def sub_group_error(self) -> DsmlError | None:
-        """The error a sub-group's call fails with while the installed epoch is broken
-        (members lost, no quorum, this rank evicted); None while it is whole.
-
-        Sub-groups end with their epoch: unlike this rank's own calls, theirs never move
-        to the survivors' view, so each fails at once instead of waiting for lost peers.
-        """
-        state = self.state
-        if state is ViewState.EVICTED:
-            return self._evicted_error(None)
-        if state is ViewState.NO_QUORUM:
-            return self._no_quorum_error(None)
-        if state is not ViewState.MEMBER_LOST:
-            return None
-        return sub_group_lost_error(self._broken, self.links)
+        """The error a sub-group's call fails with now (None: none; see view_losses.py)."""
+        state, links = self.state, self.links
+        return sub_group_failure(state, self._evicted, self._no_quorum, self._broken, links)
 
     def _lost_error(self, call: Call | None) -> PeerLostError:
         return lost_error(self._broken, self.links, call)

@@ -14,8 +14,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import EvictedError, MembershipChangedError, NoQuorumError, PeerLostError
+from ..errors import (
+    DsmlError,
+    EvictedError,
+    MembershipChangedError,
+    NoQuorumError,
+    PeerLostError,
+)
 from ..membership import Change, View
+from .view_states import ViewState
 
 if TYPE_CHECKING:
     from .call import Call
@@ -32,7 +39,7 @@ __all__ = [
     "lost_error",
     "no_quorum_error",
     "no_view_error",
-    "sub_group_lost_error",
+    "sub_group_failure",
 ]
 
 log = logging.getLogger("dsml.communicator")
@@ -153,9 +160,24 @@ def lost_error(broken: Broken | None, links: PeerLinks, call: Call | None) -> Pe
     )
 
 
-def sub_group_lost_error(broken: Broken | None, links: PeerLinks) -> PeerLostError:
-    """The error of a sub-group's call while the root's epoch is broken: sub-groups end
-    with their epoch (their calls never move to the survivors' view)."""
+def sub_group_failure(
+    state: ViewState,
+    evicted: str | None,
+    no_quorum: NoQuorumError | None,
+    broken: Broken | None,
+    links: PeerLinks,
+) -> DsmlError | None:
+    """The error a sub-group's call fails with while the root's installed epoch is broken
+    (members lost, no quorum, this rank evicted: the root is in `state`); None while it
+    is whole. Sub-groups end with their epoch: unlike the root's own calls, theirs never
+    move to the survivors' view, so each fails at once instead of waiting for lost peers.
+    """
+    if state is ViewState.EVICTED:
+        return evicted_error(evicted, links, None)
+    if state is ViewState.NO_QUORUM:
+        return no_quorum_error(no_quorum, links, None)
+    if state is not ViewState.MEMBER_LOST:
+        return None
     lost, epoch, names = _lost(broken, links)
     return PeerLostError(
         f"a sub-communicator's call did not run on root rank {links.rank}: the "
