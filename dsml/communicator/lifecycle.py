@@ -181,7 +181,7 @@ class RootLife:
         await s.engine_link.aclose(cancel=cancel or error is not None)
         if error is None:  # a graceful leave: calls in flight end as they would
             await s.runner.drain(_DRAIN_S)
-        withheld = s.runner.withdraw_cancel_aborts()
+        withheld = s.calls.withdraw_cancel_aborts()
         in_flight = min((cid for _epoch, cid in s.table.calls), default=None)
         await s.runner.cancel_all()
         self._shm.close()

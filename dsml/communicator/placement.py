@@ -28,7 +28,7 @@ from ..collectives.devices import is_cupy_array
 from ..collectives.ops import dtype_name
 from ..collectives.staging import Download, StagedCopies, upload
 from .call import Call
-from .plans import Plan
+from .plan_base import Plan
 
 __all__ = ["OnDevice", "Placement", "staged"]
 

@@ -1,11 +1,10 @@
-"""What a plan is made of: requests, plans, and the planner's shared checks (communicator layer).
+"""What a plan is made of: requests, plans, argument checks (communicator layer).
 
 `Request` is one collective call as the user made it, `Plan` a validated call (its
-fingerprint and the coroutine that runs it over a `Call`). `PlannerBase` holds what every
-plan of one communicator shares: the work-buffer pools, the remembered argument checks,
-the chunk size, the placement and the shared-memory hook, and the argument checks and
-buffer helpers the plans use. The plans themselves are in plan_reductions.py and
-plan_movement.py; `Planner` (plans.py) dispatches a request to them.
+fingerprint and the coroutine that runs it over a `Call`), with the argument checks that
+need no state. What the plans of one communicator share is a `PlanState`
+(plan_state.py); the plans themselves are plain functions of it (plan_reductions.py,
+plan_movement.py), and `plan` (plans.py) dispatches a request to them through one table.
 """
 
 from __future__ import annotations
@@ -13,26 +12,25 @@ from __future__ import annotations
 import operator
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from ..collectives import ArrayBackend, BufferPool, backend_of, dtype_name
-from ..collectives.cost_auto import AutoChooser
 from ..errors import ConfigError
 from ..wire import ROW_COLLECTIVES, Fingerprint
 from .call import Call
-from .stats import timed
 
-if TYPE_CHECKING:
-    from .placement import Placement
-    from .shm_hook import ShmHook
-
-__all__ = ["ROOTED", "SHM_ALGORITHMS", "Plan", "PlannerBase", "Request", "loose_fingerprint"]
+__all__ = [
+    "ROOTED",
+    "SHM_ALGORITHMS",
+    "Plan",
+    "Request",
+    "check_root",
+    "loose_fingerprint",
+    "rows_view",
+]
 
 SHM_ALGORITHMS = ("shm", "hierarchical")
-_MEMO_SIZE = 256  # remembered argument checks and fingerprints per communicator
 
 Array = Any
-T = TypeVar("T")
 
 
 def as_int(value: object) -> int | None:
@@ -63,7 +61,7 @@ ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One collective call as the user made it, before any check (see `Planner.plan`).
+    """One collective call as the user made it, before any check (see `plans.plan`).
 
     This is where the caller's arrays enter the communicator: `x` is exactly what the
     public method received (adapters convert before they build a request).
@@ -117,97 +115,14 @@ def _valid_int(value: object) -> bool:
     return type(value) is int and 0 <= value < 1 << 63
 
 
-def _rows_view(x: Array) -> Array:
+def rows_view(x: Array) -> Array:
     """x with at least one axis (a 0-d array counts as shape (1,))."""
     return x.reshape(1) if x.ndim == 0 else x
 
 
-class PlannerBase:
-    """The state and checks shared by every plan of one communicator; see `Planner`."""
-
-    def __init__(
-        self,
-        chunk_bytes: int,
-        placement: Placement,
-        auto: AutoChooser | None = None,
-        shm: ShmHook | None = None,
-    ) -> None:
-        self._pools: dict[str, BufferPool] = {}
-        self._chunk = chunk_bytes  # in every fingerprint: ranks must cut messages alike
-        self._placement = placement
-        self._auto = auto  # what `auto` runs across hosts (None: the size table)
-        self._shm = shm  # the same-host shared-memory plane (shm_hook.py)
-        #: what the checks of repeated arguments gave (a training loop repeats a few)
-        self._memo: dict[Any, Any] = {}
-
-    def _memo_get(self, key: Any, make: Callable[[], T]) -> T:
-        """make(), remembered under `key`: for pure checks and fingerprints, whose result
-        depends on the key alone. An unhashable key (an odd op) is simply not kept."""
-        try:
-            return self._memo[key]  # type: ignore[no-any-return]
-        except KeyError:
-            pass
-        except TypeError:
-            return make()
-        value = make()  # raises for invalid arguments: errors are not kept
-        if len(self._memo) >= _MEMO_SIZE:
-            self._memo.clear()
-        self._memo[key] = value
-        return value
-
-    def pool(self, be: ArrayBackend) -> BufferPool:
-        if be.name not in self._pools:
-            self._pools[be.name] = BufferPool(be)
-        return self._pools[be.name]
-
-    # -- argument checks --------------------------------------------------------------------
-
-    def _array(
-        self, x: object, what: str = "x", *, writable: bool = False
-    ) -> tuple[Array, ArrayBackend, str]:
-        """(x as a plain array sharing its memory, its backend, its dtype's wire name)."""
-        be = timed(backend_of(x, what))  # reductions and copies count in comm.stats()
-        dtype = x.dtype  # type: ignore[attr-defined]
-        name: str = self._memo_get(("dtype", dtype), lambda: dtype_name(dtype))
-        if writable:
-            if not getattr(x.flags, "writeable", True):  # type: ignore[attr-defined]
-                raise ConfigError(
-                    f"{what} is read-only, but this collective writes its result into it"
-                )
-            strides, shape = getattr(x, "strides", ()), getattr(x, "shape", ())
-            if (
-                0 in strides
-                and 0 not in shape
-                and any(  # (empty arrays have 0 strides)
-                    not s and n > 1 for s, n in zip(strides, shape, strict=True)
-                )
-            ):
-                raise ConfigError(
-                    f"{what} has elements that share memory (a stride of 0: a broadcast or "
-                    "expanded view), but this collective writes its result into it; pass a "
-                    "copy"
-                )
-        return be.plain(x), be, name
-
-    @staticmethod
-    def _root(root: object, size: int) -> int:
-        value = as_int(root)
-        if value is None or not 0 <= value < size:
-            raise ConfigError(
-                f"root={root!r} is not a rank of this group of {size} (0..{size - 1})"
-            )
-        return value
-
-    def _flat_input(self, be: ArrayBackend, x: Array) -> tuple[Array, Array | None]:
-        """A flat contiguous view of x, or a pooled copy (returned second, to release)."""
-        view = be.flat_view(x)
-        if view is not None:
-            return view, None
-        buf = self.pool(be).acquire(x.size, x.dtype.newbyteorder("="))
-        be.copy_flat(x, buf)
-        return buf, buf
-
-    def _release(self, be: ArrayBackend, *bufs: Array | None) -> None:
-        for buf in bufs:
-            if buf is not None:
-                self.pool(be).release(buf)
+def check_root(root: object, size: int) -> int:
+    """`root` as a rank of a group of `size`; `ConfigError` otherwise."""
+    value = as_int(root)
+    if value is None or not 0 <= value < size:
+        raise ConfigError(f"root={root!r} is not a rank of this group of {size} (0..{size - 1})")
+    return value

@@ -7,13 +7,11 @@ into this rank's error, aborts the peers when this rank fails or the user cancel
 asks the peers where they are before reporting a timeout. It also hands calls made from
 other threads (the engine's pool) to the communicator's loop.
 
-The runner is the only writer of the call table.
-
 `Runner` holds the communicator's state (closed, broken), hands calls over to its loop,
 and admits, numbers, plans and starts each call (or rejects it) in program order; once
-started, a call runs as a task of `RunnerCalls` (runner_calls.py), whose default deadline
-is kept by `Deadlines` (deadlines.py, re-exported here) and which the progress log watches
-when it runs long (progress.py). Closing drains or cancels them.
+started, a call runs as a task of its `CallRunner` (runner_calls.py, owned by the runner),
+whose default deadline is kept by `Deadlines` (deadlines.py, re-exported here) and which
+the progress log watches when it runs long (progress.py). Closing drains or cancels them.
 """
 
 from __future__ import annotations
@@ -42,9 +40,9 @@ from .collective_handle import (
 )
 from .deadlines import Deadlines
 from .flight import FlightRecorder
-from .plans import Planner, Request
-from .progress import ProgressLog
-from .runner_calls import RunnerCalls
+from .plans import PlanState, Request
+from .plans import plan as make_plan
+from .runner_calls import CallRunner
 from .stats import CallStats
 from .tasks import TaskOwner
 from .view_changes import Views
@@ -56,27 +54,26 @@ T = TypeVar("T")
 log = logging.getLogger("dsml.communicator")
 
 
-class Runner(RunnerCalls):
+class Runner:
     """Runs the calls of one communicator on its event loop."""
 
     def __init__(
         self,
         table: CallTable,
         views: Views,
-        planner: Planner,
+        plans: PlanState,
         tasks: TaskOwner,
         config: CommConfig,
         loop: asyncio.AbstractEventLoop,
         flight_dir: str | None = None,
     ) -> None:
         self.closed = False
-        self._cancel_aborts: dict[int, asyncio.TimerHandle] = {}  # cid -> pending abort
         #: set when the communicator failed (a bug met in its own machinery): every call
         #: in flight fails with it, and so does every later call
         self.broken: DsmlError | None = None
         self._table = table
         self._views = views
-        self._planner = planner
+        self._plans = plans
         self._tasks = tasks
         self._config = config
         self._loop = loop
@@ -91,8 +88,10 @@ class Runner(RunnerCalls):
         self._thread_calls: list[Any] = []  # their handles (done ones pruned when checked)
         self.stats = CallStats()  # the recent calls and where their time went
         self.flight = FlightRecorder(table, self.stats, flight_dir)  # written on failures
-        self._deadlines = Deadlines(loop, float(config.timeout))
-        self._progress = ProgressLog(table, loop, config.progress_after, config.probe_timeout)
+        #: runs each started call as its task (runner_calls.py)
+        self.calls = CallRunner(table, tasks, config, loop, self.stats, self.flight, self.unclaimed)
+        self._run = self.calls.run  # bound once: no lookup through `calls` per call
+        self._finished = self.calls.finished
 
     def budget(self, timeout: float | None) -> float:
         """A call's timeout in seconds (the configured default when None)."""
@@ -225,7 +224,7 @@ class Runner(RunnerCalls):
         cid = self._table.take_cid()
         try:
             budget = self.budget(request.timeout)
-            plan = self._planner.plan(request, self._table.rank, self._table.size)
+            plan = make_plan(self._plans, request, self._table.rank, self._table.size)
         except ConfigError as exc:
             rejected = Call(self._table, cid, request.loose_fingerprint(), self._config.timeout)
             reason = f"rank {self._table.rank} rejected its arguments: {exc}"
@@ -295,8 +294,7 @@ class Runner(RunnerCalls):
         the communicator gives them up, as the user's cancel would."""
         self.closed = True
         self._report_unclaimed()
-        self._deadlines.close()
-        self._progress.close()
+        self.calls.close()
         tasks = [c.task for c in self._table.calls.values() if c.task is not None]
         tasks += [r.task for r in self._table.receives if r.task is not None]
         tasks += list(self._waiting)

@@ -1,14 +1,15 @@
 """A started call's task: its time, deadline, timeout report and end (communicator layer).
 
-`RunnerCalls` is the part of `Runner` (runner.py) that runs a call once it has its
-collective id and its plan: the task records where the call's time went (`comm.stats()`),
-arms its deadline (the shared one in deadlines.py, or a timer of its own) and the progress
-log's watch (progress.py), fails it at
-once when a failure is already known, turns `DeadlinePassed` into a
-`CollectiveTimeoutError` after asking the peers where they are, and tells the peers when
-this rank failed. When the task ends it leaves the call table; a call the user cancelled is
-aborted at the peers a moment later, unless the communicator closes first. Sends and
-receives run here too, with a deadline each. `Runner.__init__` sets the state named below.
+`CallRunner` runs a call once `Runner` (runner.py) has given it its collective id and its
+plan: the task records where the call's time went (`comm.stats()`), arms its deadline
+(the shared one in deadlines.py, or a timer of its own) and the progress log's watch
+(progress.py), fails it at once when a failure is already known, turns `DeadlinePassed`
+into a `CollectiveTimeoutError` after asking the peers where they are, and tells the
+peers when this rank failed. When the task ends it leaves the call table; a call the user
+cancelled is aborted at the peers a moment later, unless the communicator closes first.
+Sends and receives run here too, with a deadline each. The runner owns it (one per
+communicator) and calls it; its state (deadlines, progress log, pending aborts of
+cancelled calls, whether it is closing) is its own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ..config import CommConfig
 from ..errors import CollectiveError, CollectiveTimeoutError, DsmlError, ProtocolError
 from .call import Call, DeadlinePassed
 from .call_table import CallTable
@@ -33,7 +35,7 @@ from .stats import current as current_record
 from .tasks import TaskOwner
 from .waiting import WaitingFor
 
-__all__ = ["RunnerCalls"]
+__all__ = ["CallRunner"]
 
 #: A call the user cancelled is aborted at the peers after this delay, unless the
 #: communicator closes meanwhile (an interrupt cancels the call, then closes): its
@@ -46,22 +48,37 @@ T = TypeVar("T")
 log = logging.getLogger("dsml.communicator")
 
 
-class RunnerCalls:
-    """Runs a started call as its task, and ends it; see the module docstring."""
+class CallRunner:
+    """Runs started calls as their tasks, and ends them; see the module docstring."""
 
-    # Set by `Runner.__init__`.
-    closed: bool
-    stats: CallStats
-    flight: FlightRecorder
-    _cancel_aborts: dict[int, asyncio.TimerHandle]  # cid -> pending abort
-    _table: CallTable
-    _tasks: TaskOwner
-    _loop: asyncio.AbstractEventLoop
-    _deadlines: Deadlines
-    _progress: ProgressLog
-    unclaimed: Unclaimed
+    def __init__(
+        self,
+        table: CallTable,
+        tasks: TaskOwner,
+        config: CommConfig,
+        loop: asyncio.AbstractEventLoop,
+        stats: CallStats,
+        flight: FlightRecorder,
+        unclaimed: Unclaimed,
+    ) -> None:
+        self.closed = False  # closing: cancelled calls are not aborted at the peers
+        self._cancel_aborts: dict[int, asyncio.TimerHandle] = {}  # cid -> pending abort
+        self._table = table
+        self._tasks = tasks
+        self._loop = loop
+        self.stats = stats
+        self.flight = flight
+        self.unclaimed = unclaimed
+        self._deadlines = Deadlines(loop, float(config.timeout))
+        self._progress = ProgressLog(table, loop, config.progress_after, config.probe_timeout)
 
-    async def _run(self, call: Call, plan: Plan) -> Any:
+    def close(self) -> None:
+        """The communicator closes: stop the shared deadline and the progress log."""
+        self.closed = True
+        self._deadlines.close()
+        self._progress.close()
+
+    async def run(self, call: Call, plan: Plan) -> Any:
         """Run the call, recording its time split (`comm.stats()`); one debug line each."""
         fp = call.fingerprint
         record = self.stats.begin(fp.collective, call.cid, call.epoch, fp, plan.nbytes)
@@ -128,7 +145,8 @@ class RunnerCalls:
         self._table.abort(call, "timeout", message, missing)
         return call.failure
 
-    def _finished(self, call: Call, task: asyncio.Task[Any]) -> None:
+    def finished(self, call: Call, task: asyncio.Task[Any]) -> None:
+        """The call's task ended: it leaves the table; tell the peers if it failed here."""
         self._table.finish(call)
         self._deadlines.forget_over()
         self._progress.end(call)
@@ -200,3 +218,7 @@ class RunnerCalls:
             timer.cancel()
         self._cancel_aborts.clear()
         return first
+
+    def __repr__(self) -> str:
+        state = " closed" if self.closed else ""
+        return f"<CallRunner pending_aborts={len(self._cancel_aborts)}{state}>"

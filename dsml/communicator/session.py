@@ -26,7 +26,6 @@ import numpy as np
 
 from ..collectives.cost import Choice, CostModel
 from ..collectives.cost_auto import AutoChooser
-from ..collectives.select import choose_all_reduce
 from ..config import CommConfig
 from ..engine.trace import TraceRecorder
 from ..errors import ConfigError
@@ -40,7 +39,8 @@ from .engine_link import EngineLink
 from .links import PeerLinks
 from .p2p import PointToPoint
 from .placement import Placement
-from .plans import Planner, Request
+from .plan_reductions import all_reduce_choice
+from .plans import PlanState, Request
 from .runner import Runner
 from .shm_hook import ShmHook
 from .subgroups import Demux
@@ -83,8 +83,9 @@ class Session:
         self.shm = shm  # None on a sub-group: its calls run over the links
         self.demux = demux  # the root's: its peer messages and its sub-groups'
         # flight_dir: the root's writes flight records there (sub-groups' only on request)
-        planner = Planner(config.chunk_bytes, placement, auto, shm)
-        self.runner = Runner(table, views, planner, tasks, config, loop, flight_dir)
+        self.plans = PlanState(config.chunk_bytes, placement, auto, shm)
+        self.runner = Runner(table, views, self.plans, tasks, config, loop, flight_dir)
+        self.calls = self.runner.calls  # starts sends and receives (runner_calls.py)
         self.p2p = PointToPoint(table, self.placement, tasks)
         self.engine_link = EngineLink(
             self.runner, self.start, self.where, trace=config.engine_trace
@@ -113,11 +114,7 @@ class Session:
 
     def all_reduce_choice(self, nbytes: int) -> Choice:
         """What `auto` runs now for a numpy array of nbytes (see `Communicator`)."""
-        if self.auto is None:  # a sub-group: the size table, as its planner does
-            size = self.links.size
-            return Choice(choose_all_reduce(nbytes, size), self.config.chunk_bytes, float("nan"))
-        hierarchical = self.shm is not None and self.shm.weighs_hierarchical()
-        return self.auto.choice(nbytes, self.links.size, hierarchical)
+        return all_reduce_choice(self.plans, nbytes, self.links.size)
 
     # -- starting a collective ---------------------------------------------------------------
 
@@ -154,7 +151,7 @@ class Session:
             call = Call(self.table, 0, fp, budget, peer=dst_, tag=tag_)
             what = f"send to rank {dst_} (tag {tag_})"
             hint = f"is rank {dst_} alive and connected?"
-            return self.runner.p2p(call, send(call), what, hint)
+            return self.calls.p2p(call, send(call), what, hint)
 
         return self.runner.on_loop(start)
 
@@ -170,7 +167,7 @@ class Session:
             hint = (
                 f"rank {peer} has not sent it: check that it calls send(x, {self.rank}, tag={tag_})"
             )
-            return self.runner.p2p(call, self.p2p.receive(call, peer, tag_), what, hint)
+            return self.calls.p2p(call, self.p2p.receive(call, peer, tag_), what, hint)
 
         return self.runner.on_loop(start)
 

@@ -44,7 +44,7 @@ from .plan_base import as_int
 from .tasks import TaskOwner
 
 if TYPE_CHECKING:
-    from .view_base import ViewListener
+    from .view_states import ViewListener
 
 __all__ = [
     "GROUP_SHIFT",

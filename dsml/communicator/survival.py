@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import NoQuorumError
 from ..membership import RegistryClient, View
@@ -41,12 +41,20 @@ from ..wire import Envelope, Fields, Kind
 from .links import PeerLinks
 from .tasks import TaskOwner
 
-if TYPE_CHECKING:
-    from .view_changes import ViewChanges
-
-__all__ = ["Survival"]
+__all__ = ["Survival", "SurvivorViews"]
 
 log = logging.getLogger("dsml.communicator")
+
+
+class SurvivorViews(Protocol):
+    """What survival asks and tells the rank's view machine (`ViewChanges`)."""
+
+    @property
+    def evicted(self) -> bool: ...
+    @property
+    def no_quorum(self) -> bool: ...
+    def on_agreed(self, view: View, lost: list[str]) -> None: ...
+    def on_no_quorum(self, error: NoQuorumError) -> None: ...
 
 
 class Survival:
@@ -55,7 +63,7 @@ class Survival:
     def __init__(
         self,
         links: PeerLinks,
-        views: ViewChanges,
+        views: SurvivorViews,
         registry: RegistryClient,
         tasks: TaskOwner,
     ) -> None:

@@ -1,7 +1,8 @@
 """The states of one rank's view of membership, and the events that move it (communicator).
 
 `ViewChanges` (view_changes.py) applies the events; this table is the whole machine at a
-glance, and `transition` checks every state change it makes against it. A diagram is in
+glance, and `transition` checks every state change it makes against it. `Views` is what
+a communicator's calls ask of it (or of a sub-group's fixed `SubViews`). A diagram is in
 docs/architecture.md; tests/unit/test_view_changes.py drives each transition.
 """
 
@@ -11,13 +12,18 @@ import enum
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-__all__ = ["TRANSITIONS", "ViewState", "transition"]
+if TYPE_CHECKING:
+    from ..membership import View
+
+__all__ = ["TRANSITIONS", "ViewListener", "ViewState", "Views", "transition"]
 
 log = logging.getLogger("dsml.communicator")
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+ViewListener = Callable[["View", "View"], Any]
 
 
 class ViewState(enum.Enum):
@@ -109,3 +115,37 @@ def transition(event: str) -> Callable[[F], F]:
         return handle  # type: ignore[return-value]
 
     return wrap
+
+
+class Views(Protocol):
+    """What a communicator's calls ask about views: `ViewChanges` on the root, `SubViews`
+    (subgroups.py) on a sub-group, whose view is fixed."""
+
+    listeners: list[ViewListener]
+    installed: int
+    interrupt_on_join: bool
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the registry declared this rank dead (a sub-group: never)."""
+        ...
+
+    def immediate(self) -> bool:
+        """Whether a call may start now, without waiting its turn (`admit`)."""
+        ...
+
+    async def admit(self) -> None:
+        """Wait until a call may start in the current view (or raise why it cannot)."""
+        ...
+
+    def ensure_current(self) -> None:
+        """Raise the error a call started now fails with, if any."""
+        ...
+
+    def next_view(self) -> View:
+        """The view the next call runs in."""
+        ...
+
+    async def wait_known(self, timeout: float | None = None) -> View:  # noqa: ASYNC109
+        """Wait for a view newer than the current one."""
+        ...
