@@ -16,6 +16,7 @@ others push gradients and pull parameters; the servers apply an optimizer.
                 await asyncio.gather(*(ps.pull(key, params[key]) for key in params))
             await ps.finish(pull=params)
 
+Pushes can travel compressed (`PSConfig(push_compression="bf16" | "fp16" | "topk:R")`).
 See docs/train.md for the consistency models and what happens when a rank is lost.
 """
 
@@ -24,12 +25,14 @@ from .errors import PSError, ServerLostError
 from .layout import KeySpec, Layout, Piece, shard
 from .node import ParameterServers, PSConfig, open_ps
 from .optim import SGD, Adam, Momentum, Optimizer
+from .push_codec import CastPush, PlainPush, PushCodec, TopKPush, push_codec_from
 from .shard_state import CONSISTENCY, ShardState
 
 __all__ = [
     "CONSISTENCY",
     "SGD",
     "Adam",
+    "CastPush",
     "KeySpec",
     "Layout",
     "Momentum",
@@ -39,8 +42,12 @@ __all__ = [
     "PSHandle",
     "ParameterServers",
     "Piece",
+    "PlainPush",
+    "PushCodec",
     "ServerLostError",
     "ShardState",
+    "TopKPush",
     "open_ps",
+    "push_codec_from",
     "shard",
 ]

@@ -29,6 +29,7 @@ from ..errors import (
 from .errors import PSError, ServerLostError
 from .layout import Layout, Piece
 from .messages import DONE, STEP, Reply, decode_reply, encode_request
+from .push_codec import PlainPush, PushCodec
 from .roles import Roles, retry_pause, wait_next_view
 from .server import REPLY_TAG, REQUEST_TAG
 
@@ -122,6 +123,7 @@ class _Link:
         self._layout, self._timeout_s = layout, timeout_s
         self._queue: asyncio.Queue[_Outstanding | None] = asyncio.Queue()
         self._seq = 0
+        self.sent_bytes = self.received_bytes = 0  # request and reply payloads, resends included
         self._broken: BaseException | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -172,10 +174,12 @@ class _Link:
                 await self._comm.send(
                     request.buf, self._rank(), tag=REQUEST_TAG, timeout=self._timeout_s
                 )
+                self.sent_bytes += request.buf.nbytes
                 while self._comm.view.epoch == epoch:
                     buf = await self._comm.recv(
                         self._rank(), tag=REPLY_TAG, timeout=self._timeout_s
                     )
+                    self.received_bytes += buf.nbytes
                     reply = decode_reply(buf, self._layout)
                     if reply.seq >= request.seq:  # below: a duplicate answer to a resent request
                         return self._checked(reply, request)
@@ -201,21 +205,28 @@ class Client:
     """A worker's push and pull (see the module docstring)."""
 
     def __init__(
-        self, comm: Communicator, roles: Roles, index: int, layout: Layout, timeout_s: float
+        self,
+        comm: Communicator,
+        roles: Roles,
+        index: int,
+        layout: Layout,
+        timeout_s: float,
+        codec: PushCodec | None = None,
     ) -> None:
         self.index, self._layout = index, layout
+        self._codec = codec or PlainPush()
         self._links = [_Link(comm, roles, s, layout, timeout_s) for s in range(layout.servers)]
         self._batches = [_Batch() for _ in range(layout.servers)]
         self._flush_due = False
         self._finished = False
 
     def push(self, key: str, grad: np.ndarray) -> PSHandle:
-        """Send a gradient of `key` to its servers (copied now: grad may change at once)."""
+        """Send a gradient of `key` to its servers (encoded now: grad may change at once)."""
         pieces = self._layout.pieces_of(key)
         flat = _flat(grad, self._layout, key, "grad")
 
         def add(batch: _Batch, piece: Piece) -> None:
-            batch.push.append((piece, flat[piece.lo : piece.hi].copy()))
+            batch.push.append((piece, self._codec.encode(piece, flat[piece.lo : piece.hi])))
 
         return self._add(f"push {key!r}", pieces, add, conflicts=lambda b, p: p.index in b.pulled)
 
@@ -275,6 +286,13 @@ class Client:
         await asyncio.gather(*(link.task for link in self._links))
         for handle in handles:
             await handle
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes of this worker's request and reply messages so far, over all servers."""
+        return {
+            "sent_bytes": sum(link.sent_bytes for link in self._links),
+            "received_bytes": sum(link.received_bytes for link in self._links),
+        }
 
     async def aclose(self) -> None:
         """Stop the links (requests not answered yet fail with ServerLostError's cause)."""

@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from .client import Client, PSHandle
 from .layout import KeySpec, Layout, shard
 from .optim import SGD, Optimizer
+from .push_codec import push_codec_from
 from .roles import Roles
 from .server import Server
 from .shard_state import CONSISTENCY, ShardState
@@ -40,6 +41,8 @@ class PSConfig:
         timeout: seconds one request may wait for its reply (a BSP step waits for the
             slowest worker), and a server for a worker's next request.
         max_piece_bytes: keys larger than this are cut into pieces (default: see layout).
+        push_compression: how pushed gradients travel: "none", "bf16", "fp16" or
+            "topk[:RATIO]" (with error feedback; see `dsml.ps.push_codec`).
     """
 
     servers: int = 1
@@ -48,8 +51,10 @@ class PSConfig:
     optimizer: Optimizer = field(default_factory=SGD)
     timeout: float = 300.0
     max_piece_bytes: int | None = None
+    push_compression: str = "none"
 
     def __post_init__(self) -> None:
+        push_codec_from(self.push_compression)  # raises ConfigError for a bad name
         if self.consistency not in CONSISTENCY:
             raise ConfigError(
                 f"consistency must be one of {', '.join(CONSISTENCY)}, got {self.consistency!r}"
@@ -87,9 +92,13 @@ class ParameterServers:
                 config.consistency,
                 config.staleness,
             )
-            self._server = Server(comm, self.roles, self.index, self.layout, state, config.timeout)
+            codec = push_codec_from(config.push_compression)
+            self._server = Server(
+                comm, self.roles, self.index, self.layout, state, config.timeout, codec
+            )
         else:
-            self._client = Client(comm, self.roles, self.index, self.layout, config.timeout)
+            codec = push_codec_from(config.push_compression)  # each worker its own residuals
+            self._client = Client(comm, self.roles, self.index, self.layout, config.timeout, codec)
 
     @property
     def is_server(self) -> bool:
@@ -130,9 +139,10 @@ class ParameterServers:
         await self._worker("finish").finish(pull)
 
     def stats(self) -> dict[str, Any]:
-        """(Servers) figures for tests and logs: updates applied, the largest SSP lead seen."""
+        """Figures for tests and logs: (servers) updates applied, the largest SSP lead seen,
+        the workers lost; (workers) bytes of their request and reply messages."""
         if self._server is None:
-            return {}
+            return self._client.traffic() if self._client is not None else {}
         state = self._server.state
         return {
             "updates": {p: s.updates for p, s in state.pieces.items()},

@@ -21,6 +21,7 @@ from ..communicator import Communicator
 from ..errors import CollectiveAbortedError, MemberLeftError, MembershipChangedError, ProtocolError
 from .layout import Layout
 from .messages import DONE, decode_request, encode_error, encode_reply
+from .push_codec import PushCodec
 from .roles import Roles, retry_pause, wait_next_view
 from .shard_state import Outgoing, ShardState
 
@@ -49,8 +50,10 @@ class Server:
         layout: Layout,
         state: ShardState,
         timeout_s: float,
+        codec: PushCodec | None = None,
     ) -> None:
         self._comm, self._roles, self.index = comm, roles, index
+        self._codec = codec
         self._layout, self.state, self._timeout_s = layout, state, timeout_s
         self._answered: set[int] = set()  # workers whose DONE reply was sent
         self._lost: set[int] = set()
@@ -117,7 +120,7 @@ class Server:
                 self._drop(worker)
                 return
             try:
-                request = decode_request(buf, self._layout, self.index)
+                request = decode_request(buf, self._layout, self.index, self._codec)
                 self._dispatch(self.state.handle(worker, request))
             except ProtocolError as exc:
                 log.error(
