@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset", choices=["auto", "mnist", "subset"])
     parser.add_argument("--data-dir", type=Path, help="default $DSML_DATA_DIR or ~/.cache")
     parser.add_argument("--json", type=Path, help="write worker 0's figures here")
+    parser.add_argument("--quiet", action="store_true", help="no line per test score")
     parser.add_argument("--quick", action="store_true", help="subset, 2 epochs of batch 32")
     args = parser.parse_args(argv)
     defaults = (2, 32, 0.1, "subset") if args.quick else (10, 256, 0.2, "auto")
@@ -77,11 +79,23 @@ def global_batches(n: int, batch_size: int, seed: int, epoch: int) -> Iterator[n
     return (order[i : i + batch_size] for i in range(0, n, batch_size))
 
 
+@functools.lru_cache(maxsize=2)
+def load_data(dataset: str, data_dir: Path | None = None) -> Dataset:
+    """The data set, loaded once per process (a notebook's workers run many jobs)."""
+    return load(dataset, data_dir)
+
+
+async def run_job(comm: dsml.Communicator, argv: list[str]) -> dict[str, Any]:
+    """One run as a `dsml.Client` job: `argv` as on the command line; worker 0's summary."""
+    args = parse_args(argv)
+    return await run_rank(comm, args, load_data(args.dataset, args.data_dir))
+
+
 class Recorder:
     """Worker 0's curve: test loss and accuracy against training time (scoring excluded)."""
 
-    def __init__(self, enabled: bool, model: MLP, data: Dataset) -> None:
-        self.enabled, self.model, self.data = enabled, model, data
+    def __init__(self, enabled: bool, model: MLP, data: Dataset, quiet: bool = False) -> None:
+        self.enabled, self.model, self.data, self.quiet = enabled, model, data, quiet
         self.rows: list[dict[str, float]] = []
         self._start = time.perf_counter()
         self._paused_s = 0.0
@@ -98,11 +112,12 @@ class Recorder:
         row = {"step": step, "time_s": self.elapsed(), "test_loss": loss_sum / n}
         row.update(test_accuracy=correct / n, sent_bytes=sent_bytes)
         self.rows.append(row)
-        print(
-            f"step {step}: {row['time_s']:.2f} s, test loss {row['test_loss']:.4f}, "
-            f"accuracy {row['test_accuracy']:.4f}",
-            flush=True,
-        )
+        if not self.quiet:
+            print(
+                f"step {step}: {row['time_s']:.2f} s, test loss {row['test_loss']:.4f}, "
+                f"accuracy {row['test_accuracy']:.4f}",
+                flush=True,
+            )
         self._paused_s += time.perf_counter() - began
 
 
@@ -125,7 +140,7 @@ async def train_averaging(
     images, labels = data.train_images, data.train_labels
     async with dsml.train.open_strategy(comm, params, strategy_config(args)) as strategy:
         await comm.barrier()  # start the clock together
-        record, step = Recorder(comm.rank == 0, model, data), 0
+        record, step = Recorder(comm.rank == 0, model, data, args.quiet), 0
         for epoch in range(args.epochs):
             for batch in global_batches(len(labels), args.batch_size, args.seed, epoch):
                 mine = np.array_split(batch, comm.world_size)[comm.rank]
@@ -157,7 +172,7 @@ async def train_ps(
             await node.serve()
             return {}
         images, labels = data.train_images, data.train_labels
-        record, step = Recorder(node.index == 0, model, data), 0
+        record, step = Recorder(node.index == 0, model, data, args.quiet), 0
         await asyncio.gather(*(node.pull(k, v) for k, v in params.items()))
         for epoch in range(args.epochs):
             for batch in global_batches(len(labels), args.batch_size, args.seed, epoch):
@@ -204,7 +219,7 @@ async def run_rank(
 
 
 async def main(args: argparse.Namespace) -> None:
-    data = load(args.dataset, args.data_dir)  # before joining: a missing data set fails fast
+    data = load_data(args.dataset, args.data_dir)  # before joining: a missing data set fails fast
     if os.environ.get("DSML_REGISTRY"):
         async with dsml.init() as comm:
             if comm.rank == 0:
