@@ -66,7 +66,8 @@ class StrategyConfig:
         period: steps between averages (local SGD, DiLoCo); 1 for gradient averaging.
         compression: what "grad" and "diloco" average with: "none", "bf16", "fp16",
             "topk[:RATIO]", "powersgd[:RANK]" (see `dsml.train.compress`).
-        outer_lr, outer_momentum: DiLoCo's outer Nesterov momentum (the paper's 0.7, 0.9).
+        outer_lr: DiLoCo's outer step size (the paper's 0.7).
+        outer_momentum: DiLoCo's outer Nesterov momentum (the paper's 0.9).
     """
 
     strategy: str = "grad"
