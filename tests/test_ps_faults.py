@@ -1,10 +1,15 @@
-"""kill -9 of a parameter server's process mid-run (dsml.ps faults, real processes).
+"""kill -9 of a parameter server's or a worker's process mid-run (dsml.ps faults).
 
-A `dsml registry` process and four ranks of tests/scripts/ps_server_kill.py: workers 0-2
-push and pull in a loop, rank 3 serves. Once every worker has taken some steps the test
-SIGKILLs the server. What holds today (servers are not replicated): every worker's loop
-fails once, with `ServerLostError` naming server 0, a later call fails at once with the
-same type, and every worker exits cleanly, nothing left hanging.
+A `dsml registry` process and four ranks (workers 0-2, server 3), real processes.
+
+- tests/scripts/ps_server_kill.py: the workers push and pull in a loop; once every worker
+  has taken some steps the test SIGKILLs the server. What holds today (servers are not
+  replicated): every worker's loop fails once, with `ServerLostError` naming server 0, a
+  later call fails at once with the same type, and every worker exits cleanly.
+- tests/scripts/ps_bsp_replay.py: BSP training; worker 2 stops itself right after its
+  step-20 push was taken and the test SIGKILLs it. The others finish; the server's record
+  of whose gradients each step summed is replayed in this process, and the replay must
+  give worker 0's final parameters bit for bit: no update lost, none applied twice.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +119,83 @@ def test_kill_9_of_the_server_fails_each_worker_once_with_server_lost(consistenc
                 f"{consistency}: worker {index} saw ServerLostError {event['t'] - killed:.2f} s "
                 f"after the SIGKILL, at step {event['step']}"
             )
+    finally:
+        for proc in [*(r.proc for r in ranks), registry]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+REPLAY = ROOT / "tests" / "scripts" / "ps_bsp_replay.py"
+
+
+def start_ranks(script: Path, args: list[str], tmp_path: Path, cond: threading.Condition):
+    registry, address = start_registry()
+    ranks = []
+    for rank in range(WORKERS + 1):
+        env = {**os.environ, "DSML_REGISTRY": address, "DSML_WORLD_SIZE": str(WORKERS + 1)}
+        env.update(DSML_RANK=str(rank), OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdout=subprocess.PIPE,
+            stderr=(tmp_path / f"rank{rank}.err").open("w"),
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        ranks.append(Rank(proc, cond))
+    return registry, ranks
+
+
+def replay(contributors: dict[str, list[list[int]]], steps: int) -> dict[str, np.ndarray]:
+    """The BSP run again in one process: each step, every key moves by SGD on the sum, in
+    worker order, of the gradients of exactly the workers the server says it summed."""
+    sys.path.insert(0, str(REPLAY.parent))
+    import ps_bsp_replay as job
+
+    x, y = job.data(0)
+    params = job.initial(0)
+    piece_of = {"w": "0", "b": "1"}  # each key is one piece: w first, as the layout cuts
+    for step in range(steps):
+        parts = [job.part(step, w, WORKERS, len(y)) for w in range(WORKERS)]
+        grads = [job.gradient(params, x[p], y[p], 30) for p in parts]
+        for key in params:
+            who = contributors[piece_of[key]][step]
+            total = grads[who[0]][key].copy()
+            for w in who[1:]:
+                total += grads[w][key]
+            params[key] -= params[key].dtype.type(job.LR) * total
+    return params
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_of_a_bsp_worker_loses_no_update_and_applies_none_twice(tmp_path):
+    steps, stop_at, victim = 60, 20, 2
+    cond = threading.Condition()
+    args = ["--steps", str(steps), "--stop-at", str(stop_at), "--victim", str(victim)]
+    registry, ranks = start_ranks(REPLAY, args, tmp_path, cond)
+    try:
+        with cond:  # the victim's step-20 gradient is in; it stopped itself: kill it
+            assert cond.wait_for(lambda: ranks[victim].of("stopped"), timeout=60), [
+                r.events[-3:] for r in ranks
+            ]
+        ranks[victim].proc.kill()
+        for index in (0, 1, WORKERS):
+            err = (tmp_path / f"rank{index}.err").read_text
+            assert ranks[index].proc.wait(timeout=60) == 0, err()
+            ranks[index].thread.join(timeout=10)
+        (server,) = ranks[WORKERS].of("server")
+        (final,) = ranks[0].of("final")
+        assert server["lost"] == [victim]
+        for piece, history in server["contributors"].items():
+            # one update per step, none twice; the victim's gradients up to its last push
+            assert server["updates"][piece] == steps
+            assert [tuple(c) for c in history] == [(0, 1, 2)] * (stop_at + 1) + [(0, 1)] * (
+                steps - stop_at - 1
+            )
+        expected = replay(server["contributors"], steps)
+        for key, value in expected.items():  # bitwise: the same sums in the same order
+            assert np.array_equal(np.array(final["params"][key]), value), key
     finally:
         for proc in [*(r.proc for r in ranks), registry]:
             if proc.poll() is None:

@@ -140,13 +140,16 @@ class ParameterServers:
 
     def stats(self) -> dict[str, Any]:
         """Figures for tests and logs: (servers) updates applied, the largest SSP lead seen,
-        the workers lost; (workers) bytes of their request and reply messages."""
+        the workers lost, and under BSP the workers whose gradients each step of each
+        piece summed (`contributors`, to replay a run); (workers) bytes of their request
+        and reply messages."""
         if self._server is None:
             return self._client.traffic() if self._client is not None else {}
         state = self._server.state
         return {
             "updates": {p: s.updates for p, s in state.pieces.items()},
             "max_lead": state.max_lead,
+            "contributors": {p: list(s.contributors) for p, s in state.pieces.items()},
             "lost": sorted(set(range(self.num_workers)) - state.live - state.done),
         }
 

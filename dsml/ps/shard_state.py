@@ -41,6 +41,7 @@ class _PieceState:
     opt_state: dict[str, np.ndarray]
     updates: int = 0  # optimizer steps applied (Adam's t)
     applied: int = 0  # BSP steps applied
+    contributors: list[tuple[int, ...]] = field(default_factory=list)  # per BSP step: whose
     pending: dict[int, dict[int, np.ndarray]] = field(
         default_factory=dict
     )  # step -> worker -> grad
@@ -156,6 +157,7 @@ class ShardState:
                     total += grads[worker]
                 del state.pending[state.applied]
                 state.applied += 1
+                state.contributors.append(tuple(sorted(grads)))  # for replays: who was summed
                 self._update(state, total)
 
     def _update(self, state: _PieceState, grad: np.ndarray) -> None:
