@@ -6,8 +6,8 @@ A `dsml registry` process and four ranks (workers 0-2, server 3), real processes
   has taken some steps the test SIGKILLs the server. What holds today (servers are not
   replicated): every worker's loop fails once, with `ServerLostError` naming server 0, a
   later call fails at once with the same type, and every worker exits cleanly.
-- tests/scripts/ps_bsp_replay.py: BSP training; worker 2 stops itself right after its
-  step-20 push was taken and the test SIGKILLs it. The others finish; the server's record
+- tests/scripts/ps_bsp_replay.py: BSP training; worker 2 waits right after its step-20
+  push was taken and the test SIGKILLs it. The others finish; the server's record
   of whose gradients each step summed is replayed in this process, and the replay must
   give worker 0's final parameters bit for bit: no update lost, none applied twice.
 """
@@ -129,14 +129,17 @@ def test_kill_9_of_the_server_fails_each_worker_once_with_server_lost(consistenc
 REPLAY = ROOT / "tests" / "scripts" / "ps_bsp_replay.py"
 
 
-def start_ranks(script: Path, args: list[str], tmp_path: Path, cond: threading.Condition):
+def start_ranks(
+    script: Path, args: list[str], tmp_path: Path, cond: threading.Condition, servers: int = 1
+):
     registry, address = start_registry()
     ranks = []
-    for rank in range(WORKERS + 1):
-        env = {**os.environ, "DSML_REGISTRY": address, "DSML_WORLD_SIZE": str(WORKERS + 1)}
+    for rank in range(WORKERS + servers):
+        env = {**os.environ, "DSML_REGISTRY": address, "DSML_WORLD_SIZE": str(WORKERS + servers)}
         env.update(DSML_RANK=str(rank), OMP_NUM_THREADS="1")
         proc = subprocess.Popen(
             [sys.executable, str(script), *args],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=(tmp_path / f"rank{rank}.err").open("w"),
             text=True,
@@ -145,6 +148,15 @@ def start_ranks(script: Path, args: list[str], tmp_path: Path, cond: threading.C
         )
         ranks.append(Rank(proc, cond))
     return registry, ranks
+
+
+def check_history(history: list[list[int]], steps: int, stop_at: int) -> None:
+    """Workers 0-2 in every step before the victim's last push, 0-1 after it; the step of
+    its last push either way (a lost worker's push to a step not yet applied is dropped)."""
+    assert len(history) == steps
+    assert all(tuple(c) == (0, 1, 2) for c in history[:stop_at])
+    assert tuple(history[stop_at]) in ((0, 1, 2), (0, 1))
+    assert all(tuple(c) == (0, 1) for c in history[stop_at + 1 :])
 
 
 def replay(contributors: dict[str, list[list[int]]], steps: int) -> dict[str, np.ndarray]:
@@ -175,7 +187,7 @@ def test_kill_9_of_a_bsp_worker_loses_no_update_and_applies_none_twice(tmp_path)
     args = ["--steps", str(steps), "--stop-at", str(stop_at), "--victim", str(victim)]
     registry, ranks = start_ranks(REPLAY, args, tmp_path, cond)
     try:
-        with cond:  # the victim's step-20 gradient is in; it stopped itself: kill it
+        with cond:  # the victim's step-20 gradient is in; it waits: kill it
             assert cond.wait_for(lambda: ranks[victim].of("stopped"), timeout=60), [
                 r.events[-3:] for r in ranks
             ]
@@ -188,13 +200,63 @@ def test_kill_9_of_a_bsp_worker_loses_no_update_and_applies_none_twice(tmp_path)
         (final,) = ranks[0].of("final")
         assert server["lost"] == [victim]
         for piece, history in server["contributors"].items():
-            # one update per step, none twice; the victim's gradients up to its last push
-            assert server["updates"][piece] == steps
-            assert [tuple(c) for c in history] == [(0, 1, 2)] * (stop_at + 1) + [(0, 1)] * (
-                steps - stop_at - 1
-            )
+            assert server["updates"][piece] == steps  # one update per step, none twice
+            check_history(history, steps, stop_at)
         expected = replay(server["contributors"], steps)
         for key, value in expected.items():  # bitwise: the same sums in the same order
+            assert np.array_equal(np.array(final["params"][key]), value), key
+    finally:
+        for proc in [*(r.proc for r in ranks), registry]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("also_a_worker", [False, True])
+def test_kill_9_of_a_replicated_bsp_server_loses_no_update_and_applies_none_twice(
+    also_a_worker, tmp_path
+):
+    """Server 0 of 2 (replicas=1) is killed while a BSP step is in flight; with
+    `also_a_worker`, worker 2 is killed at the same moment. The workers left finish; the
+    backup's record of each step's sums, replayed, gives worker 0's parameters bitwise."""
+    steps, stop_at, victim = 60, 20, 2 if also_a_worker else 0
+    cond = threading.Condition()
+    args = ["--steps", str(steps), "--stop-at", str(stop_at), "--victim", str(victim)]
+    args += ["--servers", "2", "--replicas", "1"]
+    registry, ranks = start_ranks(REPLAY, args, tmp_path, cond, servers=2)
+    try:
+        with cond:  # the victim waits after its step-20 push: the run is mid-step
+            assert cond.wait_for(lambda: ranks[victim].of("stopped"), timeout=60), [
+                r.events[-3:] for r in ranks
+            ]
+        ranks[WORKERS].proc.kill()  # server 0, the primary of w's shard
+        if also_a_worker:
+            ranks[victim].proc.kill()
+        else:
+            stdin = ranks[victim].proc.stdin
+            assert stdin is not None
+            stdin.write("go on\n")
+            stdin.flush()
+        survivors = [w for w in range(WORKERS) if not (also_a_worker and w == victim)]
+        for index in (*survivors, WORKERS + 1):
+            err = (tmp_path / f"rank{index}.err").read_text
+            assert ranks[index].proc.wait(timeout=60) == 0, err()
+            ranks[index].thread.join(timeout=10)
+        (backup,) = ranks[WORKERS + 1].of("server")
+        (final,) = ranks[0].of("final")
+        replica = backup["replica"]
+        assert replica["took_over"] is True
+        assert replica["shard"] == 0
+        # w's shard (piece 0) from the backup's copy, b's (piece 1) from server 1 itself
+        contributors = {"0": replica["contributors"]["0"], "1": backup["contributors"]["1"]}
+        for piece, history in contributors.items():  # one update per step, none twice
+            if also_a_worker:
+                check_history(history, steps, stop_at)
+            else:
+                assert history == [[0, 1, 2]] * steps, piece
+        expected = replay(contributors, steps)
+        for key, value in expected.items():  # bitwise the replay of those sums
             assert np.array_equal(np.array(final["params"][key]), value), key
     finally:
         for proc in [*(r.proc for r in ranks), registry]:

@@ -16,7 +16,9 @@ others push gradients and pull parameters; the servers apply an optimizer.
                 await asyncio.gather(*(ps.pull(key, params[key]) for key in params))
             await ps.finish(pull=params)
 
-Pushes can travel compressed (`PSConfig(push_compression="bf16" | "fp16" | "topk:R")`).
+Pushes can travel compressed (`PSConfig(push_compression="bf16" | "fp16" | "topk:R")`);
+`PSConfig(replicas=1)` keeps a backup of each shard on the next server, which takes the
+shard over when its server is lost (`dsml.ps.replica`).
 See docs/train.md for the consistency models and what happens when a rank is lost.
 """
 

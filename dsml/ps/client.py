@@ -5,7 +5,9 @@ Calls made in the same turn of the event loop go into one batch per server, sent
 parameter is one message per server, not one per tensor. Each server has a `_Link` that
 sends one request at a time and waits for its reply; after a change of view it sends the
 same request again (same number: its pushes are applied once). A server that is lost
-fails the request with `ServerLostError`, and every later request to it at once.
+fails the request with `ServerLostError`, and every later request to it at once; with
+replicas, the link sends to the shard's backup instead (`dsml.ps.replica`) and fails only
+once both are lost.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .layout import Layout, Piece
 from .messages import DONE, STEP, Reply, decode_reply, encode_request
 from .push_codec import PlainPush, PushCodec
 from .roles import Roles, retry_pause, wait_next_view
-from .server import REPLY_TAG, REQUEST_TAG
+from .server import tags_of
 
 __all__ = ["Client", "PSHandle"]
 
@@ -117,10 +119,20 @@ class _Link:
     """One worker's requests to one server, one at a time, in order."""
 
     def __init__(
-        self, comm: Communicator, roles: Roles, server: int, layout: Layout, timeout_s: float
+        self,
+        comm: Communicator,
+        roles: Roles,
+        server: int,
+        layout: Layout,
+        timeout_s: float,
+        backup: int | None = None,
     ) -> None:
         self._comm, self._roles, self.server = comm, roles, server
         self._layout, self._timeout_s = layout, timeout_s
+        self._holders = [roles.servers[server]]  # the primary, then its backup if any
+        if backup is not None:
+            self._holders.append(roles.servers[backup])
+        self._tags = tags_of(server)
         self._queue: asyncio.Queue[_Outstanding | None] = asyncio.Queue()
         self._seq = 0
         self.sent_bytes = self.received_bytes = 0  # request and reply payloads, resends included
@@ -151,14 +163,18 @@ class _Link:
                 left.fail(self._broken or PSError("the parameter-server client was closed"))
 
     def _rank(self) -> int:
-        rank = self._comm.view.rank_of(self._roles.servers[self.server])
-        if rank is None:
-            raise ServerLostError(
-                f"parameter server {self.server} was lost: its shard is gone (servers are "
-                "not replicated); restart the job, or checkpoint the parameters to resume",
-                server=self.server,
-            )
-        return rank
+        """The rank that holds this shard in the current view: its primary, else its backup."""
+        for member in self._holders:
+            rank = self._comm.view.rank_of(member)
+            if rank is not None:
+                return rank
+        lost = "and its backup were" if len(self._holders) > 1 else "was"
+        raise ServerLostError(
+            f"parameter server {self.server} {lost} lost: its shard is gone; restart the job "
+            "(PSConfig(replicas=1) keeps a copy of each shard on the next server), or "
+            "checkpoint the parameters to resume",
+            server=self.server,
+        )
 
     async def _exchange(self, request: _Outstanding) -> Reply:
         """Send the request and wait for its reply, again in each new view.
@@ -172,22 +188,24 @@ class _Link:
             try:
                 epoch = self._comm.view.epoch
                 await self._comm.send(
-                    request.buf, self._rank(), tag=REQUEST_TAG, timeout=self._timeout_s
+                    request.buf, self._rank(), tag=self._tags.request, timeout=self._timeout_s
                 )
                 self.sent_bytes += request.buf.nbytes
                 while self._comm.view.epoch == epoch:
                     buf = await self._comm.recv(
-                        self._rank(), tag=REPLY_TAG, timeout=self._timeout_s
+                        self._rank(), tag=self._tags.reply, timeout=self._timeout_s
                     )
                     self.received_bytes += buf.nbytes
                     reply = decode_reply(buf, self._layout)
                     if reply.seq >= request.seq:  # below: a duplicate answer to a resent request
                         return self._checked(reply, request)
             except (MemberLeftError, CollectiveAbortedError) as exc:
-                raise ServerLostError(
-                    f"parameter server {self.server} left before answering: {exc}",
-                    server=self.server,
-                ) from exc
+                if len(self._holders) == 1 or not isinstance(exc, MemberLeftError):
+                    raise ServerLostError(
+                        f"parameter server {self.server} left before answering: {exc}",
+                        server=self.server,
+                    ) from exc
+                await wait_next_view(self._comm, exc, self._timeout_s)  # the backup answers
             except MembershipChangedError as exc:
                 await wait_next_view(self._comm, exc, self._timeout_s)
             await retry_pause(attempt)
@@ -212,10 +230,15 @@ class Client:
         layout: Layout,
         timeout_s: float,
         codec: PushCodec | None = None,
+        replicated: bool = False,
     ) -> None:
         self.index, self._layout = index, layout
         self._codec = codec or PlainPush()
-        self._links = [_Link(comm, roles, s, layout, timeout_s) for s in range(layout.servers)]
+        servers = layout.servers
+        self._links = [
+            _Link(comm, roles, s, layout, timeout_s, (s + 1) % servers if replicated else None)
+            for s in range(servers)
+        ]
         self._batches = [_Batch() for _ in range(layout.servers)]
         self._flush_due = False
         self._finished = False

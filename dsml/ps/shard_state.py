@@ -123,9 +123,10 @@ class ShardState:
         self.waiting = [p for p in self.waiting if p.worker != worker]
         return self._ready()
 
-    def forget_waiting(self) -> None:
-        """A new view: replies owed in the old one are lost; the workers ask again."""
-        self.waiting.clear()
+    def ready(self) -> list[Outgoing]:
+        """The waiting pulls that can be answered now (a backup taking over answers them;
+        workers ignore an answer to a request they no longer wait for)."""
+        return self._ready()
 
     @property
     def finished(self) -> bool:

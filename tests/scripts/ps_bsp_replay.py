@@ -2,16 +2,19 @@
 
     DSML_REGISTRY=... DSML_WORLD_SIZE=4 DSML_RANK=R python tests/scripts/ps_bsp_replay.py
 
-Ranks 0-2 are workers, rank 3 the server (BSP, SGD(0.5), float64 softmax regression on
-seeded data, so a run can be replayed exactly). Worker `--victim` pushes its gradient of
-step `--stop-at`, waits until the server has taken it, prints `stopped` and SIGSTOPs
-itself; the test then SIGKILLs it. The others train all `--steps` steps.
+Ranks 0-2 are workers, the last `--servers` ranks servers (BSP, SGD(0.5), float64
+softmax regression on seeded data, so a run can be replayed exactly; `--replicas 1` keeps
+a backup of each shard). Worker `--victim` pushes its gradient of step `--stop-at`, waits
+until the server has taken it, prints `stopped` and waits for a line on its stdin (in a
+thread: its event loop, heartbeats included, goes on); the test then SIGKILLs it, or
+SIGKILLs a server and writes the line so that the victim goes on. The others train all
+`--steps` steps.
 
 Events (one JSON object per line, flushed):
   step     {worker, step}                  (every 10 steps)
-  stopped  {worker, step}                  the victim, just before SIGSTOP
+  stopped  {worker, step}                  the victim, waiting for its stdin
   final    {worker, params}                worker 0's final parameters (float64 lists)
-  server   {updates, contributors, lost}   the server's stats after serving
+  server   {index, updates, contributors, lost, replica}   a server's stats after serving
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
+import sys
 
 import numpy as np
 
@@ -71,7 +73,7 @@ async def work(node: dsml.ps.ParameterServers, args: argparse.Namespace) -> None
         if node.index == args.victim and step == args.stop_at:
             await asyncio.gather(*pushes)  # the server has this step's gradient
             say(event="stopped", worker=node.index, step=step)
-            os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it now
+            await asyncio.to_thread(sys.stdin.readline)  # the test acts, then lets it go on
         await asyncio.gather(*(node.pull(k, v) for k, v in params.items()))
         if step % 10 == 0:
             say(event="step", worker=node.index, step=step)
@@ -81,17 +83,14 @@ async def work(node: dsml.ps.ParameterServers, args: argparse.Namespace) -> None
 
 
 async def main(args: argparse.Namespace) -> None:
-    config = dsml.ps.PSConfig(servers=1, consistency="bsp", optimizer=dsml.ps.SGD(LR))
+    config = dsml.ps.PSConfig(
+        servers=args.servers, consistency="bsp", optimizer=dsml.ps.SGD(LR), replicas=args.replicas
+    )
     async with dsml.init() as comm, dsml.ps.open_ps(comm, initial(args.seed), config) as node:
         if node.is_server:
             await node.serve()
             stats = node.stats()
-            say(
-                event="server",
-                updates=stats["updates"],
-                contributors=stats["contributors"],
-                lost=stats["lost"],
-            )
+            say(event="server", index=node.index, **stats)
         else:
             await work(node, args)
 
@@ -102,4 +101,6 @@ if __name__ == "__main__":
     parser.add_argument("--stop-at", type=int, default=20)
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--replicas", type=int, default=0)
     asyncio.run(main(parser.parse_args()))
