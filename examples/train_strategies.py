@@ -9,8 +9,9 @@
 
 One argument switches the strategy; the training loop is the same for the first three
 (`dsml.train`: each rank computes the mean-loss gradient of its part of the global batch
-and calls `strategy.step(params, grads)`). The `ps-*` strategies run the last rank as a
-parameter server (`dsml.ps`, SGD on the server, gradients summed over the workers' parts
+and calls `strategy.step(params, grads)`). The `ps-*` strategies run the last rank (the last
+`--servers S`) as parameter servers (`dsml.ps`; `--replicas 1` a backup of each shard on
+the next server; SGD on the server, gradients summed over the workers' parts
 of the same global batch; `--compression` then applies to the pushes: none, bf16, fp16,
 topk:R). The model is the 784-128-64-10 MLP of examples/mnist/.
 
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategy", choices=STRATEGIES, default="grad")
     parser.add_argument("--period", type=int, help="local_sgd/diloco: steps between averages (8)")
     parser.add_argument("--compression", default="none", help="none|bf16|fp16|topk:R|powersgd:R")
+    parser.add_argument("--servers", type=int, default=1, help="ps-*: ranks that serve (last)")
+    parser.add_argument("--replicas", type=int, default=0, help="ps-*: 1 = a backup per shard")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="diloco's outer step size")
     parser.add_argument("--epochs", type=int, help="default 10 (2 with --quick)")
     parser.add_argument("--batch-size", type=int, help="global batch: 256 (32 with --quick)")
@@ -162,7 +165,8 @@ async def train_ps(
     params, grads = tensors(model), tensors(model, grads=True)
     consistency = args.strategy.removeprefix("ps-")
     config = dsml.ps.PSConfig(
-        servers=1,
+        servers=args.servers,
+        replicas=args.replicas,
         consistency=consistency,
         optimizer=dsml.ps.SGD(args.lr),
         push_compression=args.compression,
