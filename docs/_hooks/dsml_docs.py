@@ -29,6 +29,7 @@ API_MODULES = (
     ("dsml.blocking", "Blocking API"),
     ("dsml.torch", "torch.distributed backend"),
     ("dsml.ps", "Parameter servers"),
+    ("dsml.train", "Training strategies and compression"),
     ("dsml.log", "Logging"),
     ("dsml.testing", "Testing helpers"),
 )

@@ -16,6 +16,9 @@ others push gradients and pull parameters; the servers apply an optimizer.
                 await asyncio.gather(*(ps.pull(key, params[key]) for key in params))
             await ps.finish(pull=params)
 
+Pushes can travel compressed (`PSConfig(push_compression="bf16" | "fp16" | "topk:R")`);
+`PSConfig(replicas=1)` keeps a backup of each shard on the next server, which takes the
+shard over when its server is lost (`dsml.ps.replica`).
 See docs/train.md for the consistency models and what happens when a rank is lost.
 """
 
@@ -24,12 +27,14 @@ from .errors import PSError, ServerLostError
 from .layout import KeySpec, Layout, Piece, shard
 from .node import ParameterServers, PSConfig, open_ps
 from .optim import SGD, Adam, Momentum, Optimizer
+from .push_codec import CastPush, PlainPush, PushCodec, TopKPush, push_codec_from
 from .shard_state import CONSISTENCY, ShardState
 
 __all__ = [
     "CONSISTENCY",
     "SGD",
     "Adam",
+    "CastPush",
     "KeySpec",
     "Layout",
     "Momentum",
@@ -39,8 +44,12 @@ __all__ = [
     "PSHandle",
     "ParameterServers",
     "Piece",
+    "PlainPush",
+    "PushCodec",
     "ServerLostError",
     "ShardState",
+    "TopKPush",
     "open_ps",
+    "push_codec_from",
     "shard",
 ]

@@ -5,7 +5,9 @@ Calls made in the same turn of the event loop go into one batch per server, sent
 parameter is one message per server, not one per tensor. Each server has a `_Link` that
 sends one request at a time and waits for its reply; after a change of view it sends the
 same request again (same number: its pushes are applied once). A server that is lost
-fails the request with `ServerLostError`, and every later request to it at once.
+fails the request with `ServerLostError`, and every later request to it at once; with
+replicas, the link sends to the shard's backup instead (`dsml.ps.replica`) and fails only
+once both are lost.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from ..errors import (
 from .errors import PSError, ServerLostError
 from .layout import Layout, Piece
 from .messages import DONE, STEP, Reply, decode_reply, encode_request
+from .push_codec import PlainPush, PushCodec
 from .roles import Roles, retry_pause, wait_next_view
-from .server import REPLY_TAG, REQUEST_TAG
+from .server import tags_of
 
 __all__ = ["Client", "PSHandle"]
 
@@ -116,12 +119,23 @@ class _Link:
     """One worker's requests to one server, one at a time, in order."""
 
     def __init__(
-        self, comm: Communicator, roles: Roles, server: int, layout: Layout, timeout_s: float
+        self,
+        comm: Communicator,
+        roles: Roles,
+        server: int,
+        layout: Layout,
+        timeout_s: float,
+        backup: int | None = None,
     ) -> None:
         self._comm, self._roles, self.server = comm, roles, server
         self._layout, self._timeout_s = layout, timeout_s
+        self._holders = [roles.servers[server]]  # the primary, then its backup if any
+        if backup is not None:
+            self._holders.append(roles.servers[backup])
+        self._tags = tags_of(server)
         self._queue: asyncio.Queue[_Outstanding | None] = asyncio.Queue()
         self._seq = 0
+        self.sent_bytes = self.received_bytes = 0  # request and reply payloads, resends included
         self._broken: BaseException | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -149,14 +163,18 @@ class _Link:
                 left.fail(self._broken or PSError("the parameter-server client was closed"))
 
     def _rank(self) -> int:
-        rank = self._comm.view.rank_of(self._roles.servers[self.server])
-        if rank is None:
-            raise ServerLostError(
-                f"parameter server {self.server} was lost: its shard is gone (servers are "
-                "not replicated); restart the job, or checkpoint the parameters to resume",
-                server=self.server,
-            )
-        return rank
+        """The rank that holds this shard in the current view: its primary, else its backup."""
+        for member in self._holders:
+            rank = self._comm.view.rank_of(member)
+            if rank is not None:
+                return rank
+        lost = "and its backup were" if len(self._holders) > 1 else "was"
+        raise ServerLostError(
+            f"parameter server {self.server} {lost} lost: its shard is gone; restart the job "
+            "(PSConfig(replicas=1) keeps a copy of each shard on the next server), or "
+            "checkpoint the parameters to resume",
+            server=self.server,
+        )
 
     async def _exchange(self, request: _Outstanding) -> Reply:
         """Send the request and wait for its reply, again in each new view.
@@ -170,20 +188,24 @@ class _Link:
             try:
                 epoch = self._comm.view.epoch
                 await self._comm.send(
-                    request.buf, self._rank(), tag=REQUEST_TAG, timeout=self._timeout_s
+                    request.buf, self._rank(), tag=self._tags.request, timeout=self._timeout_s
                 )
+                self.sent_bytes += request.buf.nbytes
                 while self._comm.view.epoch == epoch:
                     buf = await self._comm.recv(
-                        self._rank(), tag=REPLY_TAG, timeout=self._timeout_s
+                        self._rank(), tag=self._tags.reply, timeout=self._timeout_s
                     )
+                    self.received_bytes += buf.nbytes
                     reply = decode_reply(buf, self._layout)
                     if reply.seq >= request.seq:  # below: a duplicate answer to a resent request
                         return self._checked(reply, request)
             except (MemberLeftError, CollectiveAbortedError) as exc:
-                raise ServerLostError(
-                    f"parameter server {self.server} left before answering: {exc}",
-                    server=self.server,
-                ) from exc
+                if len(self._holders) == 1 or not isinstance(exc, MemberLeftError):
+                    raise ServerLostError(
+                        f"parameter server {self.server} left before answering: {exc}",
+                        server=self.server,
+                    ) from exc
+                await wait_next_view(self._comm, exc, self._timeout_s)  # the backup answers
             except MembershipChangedError as exc:
                 await wait_next_view(self._comm, exc, self._timeout_s)
             await retry_pause(attempt)
@@ -201,21 +223,33 @@ class Client:
     """A worker's push and pull (see the module docstring)."""
 
     def __init__(
-        self, comm: Communicator, roles: Roles, index: int, layout: Layout, timeout_s: float
+        self,
+        comm: Communicator,
+        roles: Roles,
+        index: int,
+        layout: Layout,
+        timeout_s: float,
+        codec: PushCodec | None = None,
+        replicated: bool = False,
     ) -> None:
         self.index, self._layout = index, layout
-        self._links = [_Link(comm, roles, s, layout, timeout_s) for s in range(layout.servers)]
+        self._codec = codec or PlainPush()
+        servers = layout.servers
+        self._links = [
+            _Link(comm, roles, s, layout, timeout_s, (s + 1) % servers if replicated else None)
+            for s in range(servers)
+        ]
         self._batches = [_Batch() for _ in range(layout.servers)]
         self._flush_due = False
         self._finished = False
 
     def push(self, key: str, grad: np.ndarray) -> PSHandle:
-        """Send a gradient of `key` to its servers (copied now: grad may change at once)."""
+        """Send a gradient of `key` to its servers (encoded now: grad may change at once)."""
         pieces = self._layout.pieces_of(key)
         flat = _flat(grad, self._layout, key, "grad")
 
         def add(batch: _Batch, piece: Piece) -> None:
-            batch.push.append((piece, flat[piece.lo : piece.hi].copy()))
+            batch.push.append((piece, self._codec.encode(piece, flat[piece.lo : piece.hi])))
 
         return self._add(f"push {key!r}", pieces, add, conflicts=lambda b, p: p.index in b.pulled)
 
@@ -275,6 +309,13 @@ class Client:
         await asyncio.gather(*(link.task for link in self._links))
         for handle in handles:
             await handle
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes of this worker's request and reply messages so far, over all servers."""
+        return {
+            "sent_bytes": sum(link.sent_bytes for link in self._links),
+            "received_bytes": sum(link.received_bytes for link in self._links),
+        }
 
     async def aclose(self) -> None:
         """Stop the links (requests not answered yet fail with ServerLostError's cause)."""

@@ -13,8 +13,8 @@ class PSError(DsmlError):
 
 class ServerLostError(PSError):
     """A server died or left before answering; `server` is its index. Its shard is gone
-    (servers are not replicated): the pending and later calls of every worker fail with
-    this error, once each, instead of waiting."""
+    (without `PSConfig(replicas=1)`, or when its backup was lost too): the pending and
+    later calls of every worker to it fail with this error instead of waiting."""
 
     def __init__(self, message: str, *, server: int) -> None:
         super().__init__(message)

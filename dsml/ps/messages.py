@@ -6,7 +6,8 @@ A worker's batch for one server is one `Request`; the server answers each with o
 the pieces' raw bytes, each padded to 8 bytes so every piece starts aligned.
 
     Request  [MAGIC, kind, seq, n_push, n_pull, push piece ids..., pull piece ids...]
-             then the gradient of every pushed piece, in order
+             then the gradient of every pushed piece, in order, as the push codec
+             encoded it (`dsml.ps.push_codec`; raw bytes by default)
     Reply    [MAGIC, status, seq, n_pull, pull piece ids...]
              then the value of every pulled piece (status OK), or a UTF-8 reason (ERROR)
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from .layout import Layout, Piece
+from .push_codec import PlainPush, PushCodec
 
 __all__ = ["DONE", "ERROR", "OK", "STEP", "Reply", "Request", "encode_reply", "encode_request"]
 
@@ -111,21 +113,24 @@ def _ids(buf: np.ndarray, start: int, count: int, layout: Layout) -> list[Piece]
     return [layout.pieces[int(i)] for i in ids]
 
 
-def _slices(buf: np.ndarray, offset: int, pieces: Sequence[Piece]) -> list[np.ndarray]:
-    """Flat views of each piece's data in buf from offset; the sizes must add up exactly."""
+def _slices(buf: np.ndarray, offset: int, sizes: Sequence[int]) -> list[np.ndarray]:
+    """Flat uint8 views of each payload in buf from offset; the sizes must add up exactly."""
     out = []
-    for piece in pieces:
-        if offset + piece.nbytes > buf.nbytes:
+    for nbytes in sizes:
+        if offset + nbytes > buf.nbytes:
             raise ProtocolError("a parameter-server message is shorter than its pieces")
-        out.append(buf[offset : offset + piece.nbytes].view(piece.dtype))
-        offset += _padded(piece.nbytes)
+        out.append(buf[offset : offset + nbytes])
+        offset += _padded(nbytes)
     if offset != buf.nbytes:
         raise ProtocolError("a parameter-server message is longer than its pieces")
     return out
 
 
-def decode_request(buf: np.ndarray, layout: Layout, server: int) -> Request:
-    """A worker's request to server `server`; ProtocolError if it is not a valid one."""
+def decode_request(
+    buf: np.ndarray, layout: Layout, server: int, codec: PushCodec | None = None
+) -> Request:
+    """A worker's request to server `server`, its pushes decoded with `codec` (raw by
+    default) into dense gradients; ProtocolError if it is not a valid one."""
     words, buf = _header(buf, 5)
     kind, seq, n_push, n_pull = (int(w) for w in words[1:5])
     if kind not in (STEP, DONE) or seq < 1:
@@ -134,7 +139,9 @@ def decode_request(buf: np.ndarray, layout: Layout, server: int) -> Request:
     pull = _ids(buf, 5 + n_push, n_pull, layout)
     if any(p.server != server for p in (*push, *pull)):
         raise ProtocolError(f"a request to server {server} names pieces another server holds")
-    grads = _slices(buf, (5 + n_push + n_pull) * _WORD, push)
+    codec = codec or PlainPush()
+    payloads = _slices(buf, (5 + n_push + n_pull) * _WORD, [codec.payload_nbytes(p) for p in push])
+    grads = [codec.decode(piece, raw) for piece, raw in zip(push, payloads, strict=True)]
     return Request(kind, seq, tuple(zip(push, grads, strict=True)), tuple(pull))
 
 
@@ -148,5 +155,6 @@ def decode_reply(buf: np.ndarray, layout: Layout) -> Reply:
     if status != OK:
         raise ProtocolError(f"a parameter-server reply has status {status}")
     pieces = _ids(buf, 4, n_pull, layout)
-    values = _slices(buf, (4 + n_pull) * _WORD, pieces)
+    raw = _slices(buf, (4 + n_pull) * _WORD, [p.nbytes for p in pieces])
+    values = [r.view(p.dtype) for p, r in zip(pieces, raw, strict=True)]
     return Reply(seq, tuple(zip(pieces, values, strict=True)))

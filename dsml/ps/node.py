@@ -21,6 +21,8 @@ from ..errors import ConfigError
 from .client import Client, PSHandle
 from .layout import KeySpec, Layout, shard
 from .optim import SGD, Optimizer
+from .push_codec import push_codec_from
+from .replica import Replica
 from .roles import Roles
 from .server import Server
 from .shard_state import CONSISTENCY, ShardState
@@ -40,6 +42,10 @@ class PSConfig:
         timeout: seconds one request may wait for its reply (a BSP step waits for the
             slowest worker), and a server for a worker's next request.
         max_piece_bytes: keys larger than this are cut into pieces (default: see layout).
+        push_compression: how pushed gradients travel: "none", "bf16", "fp16" or
+            "topk[:RATIO]" (with error feedback; see `dsml.ps.push_codec`).
+        replicas: 1 keeps a copy of each server's shard on the next server (primary-backup,
+            see `dsml.ps.replica`): a lost server's shard is served by its backup.
     """
 
     servers: int = 1
@@ -48,8 +54,17 @@ class PSConfig:
     optimizer: Optimizer = field(default_factory=SGD)
     timeout: float = 300.0
     max_piece_bytes: int | None = None
+    push_compression: str = "none"
+    replicas: int = 0
 
     def __post_init__(self) -> None:
+        if self.replicas not in (0, 1):
+            raise ConfigError(
+                f"replicas must be 0 or 1 (a backup per shard), got {self.replicas!r}"
+            )
+        if self.replicas and self.servers < 2:
+            raise ConfigError("replicas=1 needs servers >= 2: a shard's backup is the next server")
+        push_codec_from(self.push_compression)  # raises ConfigError for a bad name
         if self.consistency not in CONSISTENCY:
             raise ConfigError(
                 f"consistency must be one of {', '.join(CONSISTENCY)}, got {self.consistency!r}"
@@ -71,25 +86,55 @@ class ParameterServers:
         self.config, self.layout, self.roles = config, layout, roles
         self.role, self.index = roles.role_of(comm.member_id)
         self._server: Server | None = None
+        self._replica: Replica | None = None
         self._client: Client | None = None
         self._comm = comm
 
     def _start(self, initial: Mapping[str, np.ndarray]) -> None:
         config, comm = self.config, self._comm
+        replicated = config.replicas > 0
         if self.role == "server":
-            workers = range(len(self.roles.workers))
-            state = ShardState(
-                self.layout,
+            servers = len(self.roles.servers)
+            backup = self.roles.servers[(self.index + 1) % servers] if replicated else None
+            self._server = Server(
+                comm,
+                self.roles,
                 self.index,
-                initial,
-                config.optimizer,
-                workers,
-                config.consistency,
-                config.staleness,
+                self.layout,
+                self._state(initial, self.index),
+                config.timeout,
+                push_codec_from(config.push_compression),
+                backup,
             )
-            self._server = Server(comm, self.roles, self.index, self.layout, state, config.timeout)
+            if replicated:
+                shard = (self.index - 1) % servers
+                self._replica = Replica(
+                    comm,
+                    self.roles,
+                    shard,
+                    self.layout,
+                    self._state(initial, shard),
+                    config.timeout,
+                    push_codec_from(config.push_compression),
+                )
         else:
-            self._client = Client(comm, self.roles, self.index, self.layout, config.timeout)
+            codec = push_codec_from(config.push_compression)  # each worker its own residuals
+            self._client = Client(
+                comm, self.roles, self.index, self.layout, config.timeout, codec, replicated
+            )
+
+    def _state(self, initial: Mapping[str, np.ndarray], shard: int) -> ShardState:
+        config = self.config
+        workers = range(len(self.roles.workers))
+        return ShardState(
+            self.layout,
+            shard,
+            initial,
+            config.optimizer,
+            workers,
+            config.consistency,
+            config.staleness,
+        )
 
     @property
     def is_server(self) -> bool:
@@ -110,7 +155,10 @@ class ParameterServers:
         """(Servers) answer the workers until every one has finished or was lost."""
         if self._server is None:
             raise ConfigError(f"serve() is for servers; this rank is worker {self.index}")
-        await self._server.serve()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._server.serve())
+            if self._replica is not None:
+                tasks.create_task(self._replica.serve())
 
     def push(self, key: str, grad: np.ndarray) -> PSHandle:
         """(Workers) push a gradient of `key`; batched with the calls of this loop turn."""
@@ -130,13 +178,25 @@ class ParameterServers:
         await self._worker("finish").finish(pull)
 
     def stats(self) -> dict[str, Any]:
-        """(Servers) figures for tests and logs: updates applied, the largest SSP lead seen."""
+        """Figures for tests and logs: (servers) updates applied, the largest SSP lead seen,
+        the workers lost, and under BSP the workers whose gradients each step of each
+        piece summed (`contributors`, to replay a run), and the same of the replica it holds
+        (`replica`, with `shard` and `took_over`); (workers) bytes of their request and
+        reply messages."""
         if self._server is None:
-            return {}
-        state = self._server.state
+            return self._client.traffic() if self._client is not None else {}
+        figures = self._state_stats(self._server.state)
+        if self._replica is not None:
+            replica = self._state_stats(self._replica.state)
+            replica.update(shard=self._replica.shard, took_over=self._replica.took_over)
+            figures["replica"] = replica
+        return figures
+
+    def _state_stats(self, state: ShardState) -> dict[str, Any]:
         return {
             "updates": {p: s.updates for p, s in state.pieces.items()},
             "max_lead": state.max_lead,
+            "contributors": {p: list(s.contributors) for p, s in state.pieces.items()},
             "lost": sorted(set(range(self.num_workers)) - state.live - state.done),
         }
 

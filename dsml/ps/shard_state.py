@@ -41,6 +41,7 @@ class _PieceState:
     opt_state: dict[str, np.ndarray]
     updates: int = 0  # optimizer steps applied (Adam's t)
     applied: int = 0  # BSP steps applied
+    contributors: list[tuple[int, ...]] = field(default_factory=list)  # per BSP step: whose
     pending: dict[int, dict[int, np.ndarray]] = field(
         default_factory=dict
     )  # step -> worker -> grad
@@ -122,9 +123,10 @@ class ShardState:
         self.waiting = [p for p in self.waiting if p.worker != worker]
         return self._ready()
 
-    def forget_waiting(self) -> None:
-        """A new view: replies owed in the old one are lost; the workers ask again."""
-        self.waiting.clear()
+    def ready(self) -> list[Outgoing]:
+        """The waiting pulls that can be answered now (a backup taking over answers them;
+        workers ignore an answer to a request they no longer wait for)."""
+        return self._ready()
 
     @property
     def finished(self) -> bool:
@@ -156,6 +158,7 @@ class ShardState:
                     total += grads[worker]
                 del state.pending[state.applied]
                 state.applied += 1
+                state.contributors.append(tuple(sorted(grads)))  # for replays: who was summed
                 self._update(state, total)
 
     def _update(self, state: _PieceState, grad: np.ndarray) -> None:
