@@ -9,6 +9,12 @@ which it counts the `PeerBeat` messages it sends (peer watch), then its resident
 and open file descriptors from /proc/self. Rank 0 gathers every rank's figures and prints
 one JSON line. "formed" is the time from the first rank's process start to the last
 rank's return from `dsml.init()`. A benchmark: nothing here asserts a time.
+
+With `--kill FILE`, the last rank then writes the time into FILE and kills itself with
+SIGKILL while the others are in an all_reduce; each survivor notes when its call failed,
+and the survivors (in their new view) print how long after the kill they saw it (run it
+with `dsml run --grace 60`: the launcher stops the survivors once it sees the death, and
+they ignore its SIGINT to report first).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -79,14 +86,55 @@ async def main(args: argparse.Namespace) -> None:
         beats_per_s = (_beats[0] - before) / (time.monotonic() - t)
         fds = len(os.listdir("/proc/self/fd"))
         row = np.array(
-            [start, formed, rss_bytes(), fds, beats_per_s, p50.get(4096, 0), p50.get(1 << 20, 0)]
+            [
+                start,
+                formed,
+                rss_bytes(),
+                fds,
+                beats_per_s,
+                p50.get(4096, 0),
+                p50.get(1 << 20, 0),
+                comm.epoch,
+            ]
         )
         rows = (await comm.all_gather(row[None, :])).reshape(-1, row.size)
         if comm.rank == 0:
             print(json.dumps(summary(rows)), flush=True)
         await comm.barrier()
+        if args.kill:
+            await kill_one(comm, Path(args.kill))
     finally:
         await comm.aclose()
+
+
+async def kill_one(comm: dsml.Communicator, note: Path) -> None:
+    """The last rank dies by SIGKILL in an all_reduce; the others report when they saw it."""
+    victim = comm.world_size - 1
+    x = np.ones(1024, dtype=np.float32)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's, once it saw the death
+    if comm.rank == victim:
+        await asyncio.sleep(0.5)  # the others are in the call by then
+        await asyncio.to_thread(note.write_text, repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        await comm.all_reduce(x, timeout=60)
+    except dsml.MembershipChangedError as exc:
+        seen = time.time()
+        kind = type(exc).__name__
+    else:
+        raise AssertionError("the call succeeded without the killed rank")
+    while comm.world_size == victim + 1:  # the new view may come after the failure
+        await comm.wait_view_change(timeout=60)
+    delay = seen - float(await asyncio.to_thread(note.read_text))
+    delays = await comm.all_gather(np.array([delay]))
+    if comm.rank == 0:
+        report = {
+            "kill_seen_by": int(delays.size),
+            "kill_seen_s_median": round(float(np.median(delays)), 3),
+            "kill_seen_s_max": round(float(delays.max()), 3),
+            "error": kind,
+        }
+        print(json.dumps(report), flush=True)
 
 
 def summary(rows: np.ndarray) -> dict[str, float]:
@@ -102,6 +150,7 @@ def summary(rows: np.ndarray) -> dict[str, float]:
         "beats_per_rank_s_max": round(float(rows[:, 4].max()), 2),
         "allreduce_4k_p50_ms": round(float(np.median(rows[:, 5])) * 1e3, 2),
         "allreduce_1m_p50_ms": round(float(np.median(rows[:, 6])) * 1e3, 2),
+        "epoch": int(rows[:, 7].max()),  # 1 unless the view changed during the run
     }
 
 
@@ -109,4 +158,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle", type=float, default=5.0, help="seconds idle (beats)")
     parser.add_argument("--no-collectives", dest="collectives", action="store_false")
+    parser.add_argument("--kill", metavar="FILE", help="kill the last rank (see above)")
     asyncio.run(main(parser.parse_args()))

@@ -13,7 +13,7 @@ import pytest
 import dsml
 from dsml import CommConfig, EvictedError, MembershipChangedError, NoQuorumError, RegistryConfig
 from dsml.membership.peerwatch import OVERLAY_K, PeerWatch, overlay
-from dsml.testing import Faults, inject, open_local_cluster
+from dsml.testing import Faults, crash, inject, open_local_cluster
 from tests.test_membership_hardening_cluster import exact_call, partition, until_size
 from tests.waiting import eventually
 
@@ -119,3 +119,20 @@ async def test_a_rank_cut_off_from_a_view_of_14_is_dropped_on_its_watchers_repor
             await pending
         assert all(len(e) <= 2 for e in results), results
         await eventually(lambda: lone.evicted, "the cut-off rank told it was dropped", within=10)
+
+
+@pytest.mark.timeout(120)
+async def test_a_crashed_rank_of_10_is_seen_by_every_survivor_not_only_its_watchers() -> None:
+    """A killed process's connections drop: every survivor sees it on its own link, so the
+    call in flight fails on all nine (most of which do not watch rank 0) and they go on."""
+    async with open_local_cluster(10, config=CONFIG, registry_config=HB) as cluster:
+        await cluster.run(exact_call)
+        survivors = list(range(1, 10))
+        assert any(0 not in overlay(10, r) for r in survivors)
+        pending = [asyncio.ensure_future(exact_call(cluster[r])) for r in survivors]
+        await asyncio.sleep(0)
+        await crash(cluster[0])
+        outcomes = await asyncio.gather(*pending, return_exceptions=True)
+        assert all(isinstance(o, MembershipChangedError) for o in outcomes), outcomes
+        results = await asyncio.gather(*(until_size(cluster[r], 9) for r in survivors))
+        assert all(len(e) <= 1 for e in results), results
