@@ -21,7 +21,7 @@ from ..errors import ConfigError, DsmlError
 from ..launch import Rendezvous, choose_bind, find_registry, resolve_rendezvous
 from ..launch.join import running_world_size
 from ..membership import Member, RegistryClient
-from ..transport import Curve
+from ..transport import Curve, check_peers_fit
 from ..transport.addresses import advertised
 from ..transport.shm_segment import host_identity
 from .communicator import Communicator
@@ -128,6 +128,7 @@ async def _join_group(args: _JoinArgs, registry_address: str) -> Communicator:
         if size is None:
             size, running = await running_world_size(registry), True
         view = await registry.join(size, args.plan.rank, running=running)
+        check_peers_fit(view.size - 1)  # a clear ConfigError on every rank, not EMFILE later
         rank = view.rank_of(member_id)
         assert rank is not None, "the registry's view must contain the member that joined"
         # installs the view, listens to the registry, starts heartbeats

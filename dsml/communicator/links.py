@@ -8,7 +8,8 @@ holds messages of a view this rank has not installed yet (only from members of t
 current or an announced view, within a budget: `membership.holding`), and passes the rest
 to the handler registered for the message's kind (the call table's). Messages from
 outside the view are dropped and counted, with one warning line per sender and interval.
-Every message from a peer is a sign of life for `watch` (`membership.peerwatch`). It
+Every message from a peer is a sign of life for `watch` (`membership.peerwatch`), which
+watches the view's overlay neighbours (and peers that beat this rank). It
 knows nothing about calls; sending is FIFO per peer, also when a peer's queue is full.
 """
 
@@ -27,7 +28,7 @@ from ..errors import DsmlError, ProtocolError
 from ..log import Throttle
 from ..membership import View
 from ..membership.holding import FutureHold
-from ..membership.peerwatch import PeerWatch
+from ..membership.peerwatch import PeerWatch, overlay
 from ..transport import Channel, Endpoint, Sent, tune_malloc
 from ..wire import Envelope, Kind
 from .tasks import TaskOwner
@@ -125,7 +126,8 @@ class PeerLinks:
         self.view, self.rank = view, rank
         self._ranks = {m.id.encode(): r for r, m in enumerate(view.members)}
         self._member_ids = {m.id.encode(): m.id for m in view.members if m.id != self.member_id}
-        self.watch.reset(self._member_ids.values(), time.monotonic())
+        watched = [view.members[peer].id for peer in overlay(view.size, rank)]
+        self.watch.reset(watched, time.monotonic())
         self._hold.reset_allowed(self._member_ids.values())
         members = {m.id for m in view.members}
         for member_id in [m for m in self._by_member if m not in members]:
@@ -274,7 +276,10 @@ class PeerLinks:
         """The endpoint's reader hands every message here (the only caller)."""
         member = self._member_ids.get(sender)
         if member is not None:
-            self.watch.heard(member, time.monotonic())
+            now = time.monotonic()
+            self.watch.heard(member, now)
+            if env.kind is Kind.PEER_BEAT:  # it watches us (of any epoch): watch it back
+                self.watch.add([member], now)
         if self.view is None or env.epoch > self.epoch:
             self._hold_early(sender, env, payload)
             return

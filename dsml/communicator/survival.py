@@ -3,8 +3,14 @@
 
 `Survival` runs one task per communicator that, every half heartbeat interval:
 
-- sends a `PeerBeat` to every peer whose link carried nothing for an interval, so that
-  a silent link means a stopped, cut-off or dead peer (`PeerWatch`);
+- sends a `PeerBeat` to every watched peer whose link carried nothing for an interval, so
+  that a silent link means a stopped, cut-off or dead peer (`PeerWatch`); the watched
+  peers are the view's overlay neighbours (`peerwatch.overlay`: a few ring successors
+  and predecessors), so the beats per member do not grow with the group, plus, while
+  survivors agree without the registry, every peer not lost (for the round, all pairs:
+  a partitioned or stopped peer outside the overlay counts as lost after one more
+  timeout instead of being waited for, and a member still agreeing is heard by those
+  that decided first);
 - credits its own stalls (the loop did not run) to every peer;
 - names the peers silent for the heartbeat timeout.
 
@@ -118,6 +124,14 @@ class Survival:
             return
         if view.epoch != self._epoch:
             self._epoch, self.agreement, self.reported = view.epoch, None, set()
+        agreement = self.agreement
+        if agreement is not None and agreement.decided is None:
+            # All pairs while agreeing: hear those this member waits for (else a stopped or
+            # cut-off one would be waited for forever), and be heard by those that decide
+            # first, whose new view expects to hear from this member.
+            skip = {*agreement.direct, self.links.member_id}
+            peers = [m.id for m in agreement.previous.members if m.id not in skip]
+            self.links.watch.add(peers, now)
         self._beat(now)
         silent = self.links.watch.silent(now)
         if silent:
@@ -140,9 +154,9 @@ class Survival:
         links = self.links
         view = links.view
         assert view is not None
-        due = set(links.watch.due(now))
-        for peer, member in enumerate(view.members):
-            if member.id in due and peer != links.rank:
+        for member in links.watch.due(now):
+            peer = view.rank_of(member)
+            if peer is not None and peer != links.rank:
                 links.try_send(peer, Envelope(Kind.PEER_BEAT, view.epoch, links.rank))
 
     def registry_back(self) -> None:

@@ -4,7 +4,8 @@
 runs the watchdog that declares silent members dead (only under the rules of
 `liveness`: with a majority heard, and never for the registry's own stall), and checks the
 members' reports of a suspect peer: dead at once if its own connection to the registry is
-gone too, cut off if most of the group lost their links to it.
+gone too, cut off if most of those that watch it (its overlay neighbours) lost their links
+to it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..errors import ProtocolError
 from ..wire import Envelope, Fields, Kind
 from .live import read_summary
 from .liveness import StallDetector, evictable
+from .peerwatch import overlay
 from .registry_core import _HB, RegistryCore
 from .view import Change
 
@@ -154,9 +156,13 @@ class RegistryLiveness(RegistryCore):
         if epoch == self._epoch and suspect != reporter and time.monotonic() >= self._reports_from:
             reporters = self._reports.setdefault(suspect, set())
             reporters.add(reporter)
-            if 2 * len(reporters) > view.size - 1:
-                # Most of the group lost its links to it: cut off from the group, even if
-                # it still reaches the registry (the data path is what it is for).
+            rank = view.rank_of(suspect)
+            assert rank is not None
+            watchers = {view.members[r].id for r in overlay(view.size, rank)}
+            if 2 * len(reporters & watchers) > len(watchers):
+                # Most of those that watch it (`peerwatch.overlay`; the whole group up to
+                # 2k + 1) lost their links to it: cut off from the group, even if it still
+                # reaches the registry (the data path is what it is for).
                 self._remove_lost(suspect, _CUT_OFF, gather=_GATHER_S)
                 return
         if suspect in self._suspects:

@@ -6,7 +6,7 @@ job secret (or, with CURVE, an allowlisted key) before any of its messages is re
 """
 
 from .beacon import Beacon
-from .context import check_address, live_sockets
+from .context import check_address, check_peers_fit, live_sockets
 from .curve import Curve, generate_keys, is_loopback
 from .mailbox import Mailbox
 from .malloc import tune_malloc
@@ -26,6 +26,7 @@ __all__ = [
     "Mailbox",
     "Sent",
     "check_address",
+    "check_peers_fit",
     "generate_keys",
     "is_loopback",
     "job_secret",

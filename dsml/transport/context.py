@@ -5,6 +5,10 @@ long as the process, so closing a communicator never blocks on `zmq_ctx_term`. S
 plain (non-blocking) pyzmq sockets: `sockets.py` integrates them with asyncio itself, which
 costs a fraction of `zmq.asyncio`'s per-message futures. Every socket
 we open is registered here until closed, so tests can prove nothing was left open.
+
+Making the context first raises the soft descriptor limit to the hard one, and gives the
+context room for as many sockets as the process may then open descriptors (libzmq's
+default is 1,023 sockets, and the limit is fixed once a socket exists): see `limits.py`.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import zmq
 
 from ..errors import ConfigError
 from .addresses import split_tcp, wants_ipv6
+from .limits import check_group_fits, raise_descriptor_limit
 
-__all__ = ["check_address", "live_sockets", "new_socket", "use_family"]
+__all__ = ["check_address", "check_peers_fit", "live_sockets", "new_socket", "use_family"]
+
+_DEFAULT_MAX_SOCKETS = 1023  # libzmq's
 
 _lock = threading.Lock()
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -29,8 +36,18 @@ def _shared_context() -> zmq.Context[zmq.Socket[bytes]]:
     global _context
     with _lock:
         if _context is None or _context.closed:
-            _context = zmq.Context(io_threads=1)
+            fds = raise_descriptor_limit()
+            context: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+            most = context.get(zmq.SOCKET_LIMIT)
+            context.set(zmq.MAX_SOCKETS, min(most, max(_DEFAULT_MAX_SOCKETS, fds)))
+            _context = context
         return _context
+
+
+def check_peers_fit(peers: int) -> None:
+    """Raise `ConfigError` if links to `peers` peers would exceed this process's
+    descriptor limit or its ZeroMQ context's socket limit."""
+    check_group_fits(peers, _shared_context().get(zmq.MAX_SOCKETS))
 
 
 def new_socket(socket_type: int, **options: Any) -> zmq.Socket[bytes]:

@@ -12,15 +12,25 @@ killed afterwards leaves no file behind at all.
 
 Space is reserved with `posix_fallocate` when a segment is made, so a full /dev/shm shows
 up as a clean `ShmFullError` here instead of a SIGBUS on first write.
+
+A mapping needs no file descriptor (the kernel keeps the pages mapped), but Python's
+`mmap.mmap` keeps a duplicate of the one it was given, for `size()` and `resize()`, which
+dsml never calls: one descriptor per mapped segment, two or more per same-host peer, and
+what ran a group of 160 ranks out of the default limit of 1,024. `_map` drops it:
+`trackfd=False` on Python 3.13 and later; before, the duplicate is closed and forgotten by
+the object (its `fd` field set to -1, as `trackfd=False` leaves it), but only where the
+field is found to hold a descriptor of the very file just mapped, else it is kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +98,44 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+#: where CPython's mmap object keeps its duplicate descriptor (found once; None: unknown)
+_fd_offset: int | None = None
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map `size` bytes of file `fd`, keeping no descriptor open (see the module docstring)."""
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, size, trackfd=False)  # type: ignore[call-arg,unused-ignore]
+    mapped = mmap.mmap(fd, size)
+    if sys.implementation.name == "cpython":  # elsewhere id() is no address
+        _forget_fd(mapped, fd)
+    return mapped
+
+
+def _forget_fd(mapped: mmap.mmap, fd: int) -> None:
+    """Close the duplicate of `fd` that `mapped` holds (Python before 3.13)."""
+    global _fd_offset
+    st = os.fstat(fd)
+    offsets = [_fd_offset] if _fd_offset is not None else range(16, sys.getsizeof(mapped) - 3, 4)
+    for offset in offsets:
+        field = ctypes.c_int.from_address(id(mapped) + offset)
+        if field.value != fd and _same_file(field.value, st):
+            os.close(field.value)
+            field.value = -1
+            _fd_offset = offset
+            return
+
+
+def _same_file(fd: int, st: os.stat_result) -> bool:
+    if fd <= 2:
+        return False
+    try:
+        other = os.fstat(fd)
+    except OSError:
+        return False
+    return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
+
+
 @dataclass(eq=False)
 class Segment:
     """One mapped segment; `unlink` removes its name, `close` unmaps it."""
@@ -113,7 +161,7 @@ class Segment:
                         exc.errno, f"no room in {SHM_DIR} for {size} bytes"
                     ) from None
                 raise
-            return cls(name, size, mmap.mmap(fd, size), owned=True)
+            return cls(name, size, _map(fd, size), owned=True)
         finally:
             os.close(fd)
 
@@ -128,7 +176,7 @@ class Segment:
             size = os.fstat(fd).st_size
             if size == 0:
                 return None  # being created: its size is not set yet
-            return cls(name, size, mmap.mmap(fd, size), owned=False, linked=False)
+            return cls(name, size, _map(fd, size), owned=False, linked=False)
         finally:
             os.close(fd)
 
@@ -141,7 +189,7 @@ class Segment:
 
     def close(self) -> bool:
         """Remove the name if it is ours, and unmap; False while a view into it is alive
-        (then it is unmapped, and its descriptor closed, with the last view)."""
+        (then it is unmapped with the last view)."""
         self.unlink()
         try:
             self.map.close()
