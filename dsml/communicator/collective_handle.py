@@ -9,6 +9,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Generator
 from pathlib import Path
+from types import CodeType
 from typing import Any, Generic, TypeVar
 
 from ..errors import CollectiveAbortedError
@@ -50,11 +51,28 @@ call_site: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextV
 )
 
 
+#: code objects known to be dsml's own (skipped) or not (where the walk stops): a set
+#: lookup per frame instead of a string comparison (this runs on every call)
+_OURS: set[CodeType] = set()
+_THEIRS: set[CodeType] = set()
+_MAX_THEIRS = 4096  # code made anew per notebook cell: forget rather than grow
+
+
 def caller_site(depth: int = 2) -> tuple[str, int]:
     """(file, line) of the first frame outside dsml above the caller: where the user made
     the call. A walk of a few frames, no traceback: cheap enough for every call."""
     frame: Any = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None:
+        code = frame.f_code
+        if code in _THEIRS:
+            break
+        if code not in _OURS:
+            if not code.co_filename.startswith(_PACKAGE):
+                if len(_THEIRS) >= _MAX_THEIRS:
+                    _THEIRS.clear()
+                _THEIRS.add(code)
+                break
+            _OURS.add(code)
         frame = frame.f_back
     if frame is None:
         return ("<unknown>", 0)
