@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import dsml
+from tests.procs import dsml_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -23,26 +24,9 @@ DSML = [sys.executable, "-m", "dsml"]
 pytestmark = pytest.mark.multiprocess
 
 
-@contextlib.contextmanager
-def standalone_registry():
+def standalone_registry() -> contextlib.AbstractContextManager[str]:
     """A `dsml registry` process on a free port; yields its address; stopped by SIGTERM."""
-    proc = subprocess.Popen(
-        [*DSML, "registry", "--address", "tcp://127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        address = line.strip().rsplit(" ", 1)[-1]
-        assert address.startswith("tcp://127.0.0.1:"), line
-        yield address
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=10)
-    assert proc.returncode == 0
+    return dsml_registry(stop_within=10)
 
 
 def status_after_job(address: str) -> dict:

@@ -36,6 +36,7 @@ from dsml.testing import open_local_cluster
 from dsml.transport import prove_secret
 from dsml.wire import Envelope, Kind
 from dsml.wire.envelope import encode
+from tests.procs import dsml_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "status_hang.py"
@@ -328,25 +329,9 @@ def test_serve_refuses_an_address_that_is_not_host_port():
 # -- through the dsml command ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def registry_process() -> Iterator[str]:
+def registry_process() -> contextlib.AbstractContextManager[str]:
     """A `dsml registry` (heartbeats every 0.2 s) on a free port; yields its address."""
-    proc = subprocess.Popen(
-        [*DSML, "registry", "--address", "tcp://127.0.0.1:0", "--heartbeat-interval", "0.2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        address = line.strip().rsplit(" ", 1)[-1]
-        assert address.startswith("tcp://127.0.0.1:"), line
-        yield address
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=20)
+    return dsml_registry("--heartbeat-interval", "0.2")
 
 
 @contextlib.contextmanager
