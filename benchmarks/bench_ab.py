@@ -22,7 +22,7 @@ from pathlib import Path
 def bench(tree: Path, args: argparse.Namespace) -> dict[int, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "dsml", "bench", "-n", str(args.n), "--sizes", args.sizes]
-    cmd += ["--algorithm", args.algorithm, "--json"]
+    cmd += ["--algorithm", args.algorithm, "--json", "--cpu-bind", args.cpu_bind]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=tree)
     rows = json.loads(out.stdout[out.stdout.index("[") :])
     return {row["bytes"]: row.get("p50_s", row.get("median_s")) for row in rows}
@@ -35,6 +35,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="4K,64K,1M")
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--cpu-bind",
+        default="auto",
+        help="dsml bench's --cpu-bind (spread: a core per rank, steadier with few cores)",
+    )
     args = parser.parse_args()
     trees = [(t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in args.trees]
     runs: dict[str, list[dict[int, float]]] = {label: [] for label, _ in trees}

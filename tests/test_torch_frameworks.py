@@ -44,14 +44,14 @@ def dsml_run(n: int, script: str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 
 def test_accelerate_trains_on_dsml_when_the_process_group_is_made_first(tmp_path):
-    pytest.importorskip("accelerate", reason="accelerate is not installed (dsml[test])")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (pip install \"dsml[frameworks]\")")
     result = dsml_run(2, "torch_accelerate.py", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(" ok (") == 2, result.stdout
 
 
 def test_lightning_trains_on_dsml_with_its_ddp_strategy(tmp_path):
-    pytest.importorskip("pytorch_lightning", reason="Lightning is not installed (dsml[test])")
+    pytest.importorskip("pytorch_lightning", reason="Lightning is not installed (pip install \"dsml[frameworks]\")")
     result = dsml_run(3, "torch_lightning.py", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(" ok (") == 3, result.stdout
