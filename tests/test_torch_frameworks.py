@@ -43,15 +43,18 @@ def dsml_run(n: int, script: str, cwd: Path) -> subprocess.CompletedProcess[str]
 # shards batches, Lightning samples; an even and an odd world between them.
 
 
+_EXTRA = 'pip install "dsml[frameworks]", after torch'
+
+
 def test_accelerate_trains_on_dsml_when_the_process_group_is_made_first(tmp_path):
-    pytest.importorskip("accelerate", reason="accelerate is not installed (pip install \"dsml[frameworks]\")")
+    pytest.importorskip("accelerate", reason=f"accelerate is not installed ({_EXTRA})")
     result = dsml_run(2, "torch_accelerate.py", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(" ok (") == 2, result.stdout
 
 
 def test_lightning_trains_on_dsml_with_its_ddp_strategy(tmp_path):
-    pytest.importorskip("pytorch_lightning", reason="Lightning is not installed (pip install \"dsml[frameworks]\")")
+    pytest.importorskip("pytorch_lightning", reason=f"Lightning is not installed ({_EXTRA})")
     result = dsml_run(3, "torch_lightning.py", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(" ok (") == 3, result.stdout
