@@ -30,19 +30,24 @@ _HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
 def _run_group(soft: int, hard: int) -> subprocess.CompletedProcess[str]:
-    """`dsml run -n RANKS` of launch_check.py with RLIMIT_NOFILE set to (soft, hard)."""
+    """`dsml run -n RANKS` of launch_check.py with RLIMIT_NOFILE set to (soft, hard).
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
+    The limit is set by a small interpreter that then execs `dsml run`, not by a
+    `preexec_fn`: forking this (multithreaded, once JAX is imported) process to run Python
+    code before exec may deadlock."""
+    command = [sys.executable, "-m", "dsml", "run", "-n", str(RANKS), str(SCRIPT), "DSML_RANK"]
+    limited = (
+        "import os, resource, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+        "os.execv(sys.executable, sys.argv[1:])"
+    )
     return subprocess.run(
-        [sys.executable, "-m", "dsml", "run", "-n", str(RANKS), str(SCRIPT), "DSML_RANK"],
+        [sys.executable, "-c", limited, *command],
         env=clean_env(),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=150,
-        preexec_fn=limit,
     )
 
 
