@@ -57,7 +57,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             default=argparse.SUPPRESS,
             help=_LOG_LEVEL_HELP,
         )
-        if not command_parser.prog.split()[1:2] or command_parser.prog.split()[1] not in _OFFLINE:
+        name = command_parser.prog.split()[1]  # "dsml keys generate": keys
+        if name not in _OFFLINE:
             command_parser.add_argument(
                 "--secret-file", metavar="FILE", default=argparse.SUPPRESS, help=_SECRET_HELP
             )
