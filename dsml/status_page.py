@@ -9,7 +9,8 @@ its own, and keeps the latest reply and the last minute of each rank's median ti
   a straggler's: class `straggler`),
   its heartbeat's age, calls per second and median time split; a small plot per rank of
   that split over the last minute; the recent view changes with why; it reloads itself;
-- `/status.json`: the registry's last reply as it came;
+- `/status.json`: the registry's last reply as it came, with the stuck and straggling
+  ranks under `"marks"` (dsml/status_view.py `with_marks`);
 - anything else: 404. Only GET and HEAD are served; the page runs no script.
 
 It binds loopback unless told otherwise, like everything in dsml, and `dsml status`
@@ -32,7 +33,7 @@ from typing import Any
 
 from .errors import DsmlError
 from .membership import query_status
-from .status_view import PARTS, Row, rows
+from .status_view import PARTS, Row, rows, with_marks
 from .transport import JobSecret
 
 __all__ = ["StatusPoller", "page", "page_token", "serve"]
@@ -134,7 +135,7 @@ def serve(
                 body = page(poller.address, status, error, at, history, poller.interval)
                 kind = "text/html; charset=utf-8"
             elif path == root + "status.json":
-                body, kind = json.dumps(status, indent=1), "application/json"
+                body, kind = json.dumps(with_marks(status), indent=1), "application/json"
             else:
                 self.send_error(404, "not found (the page is /, its data /status.json)")
                 return

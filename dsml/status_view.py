@@ -8,7 +8,8 @@ second and median time split. A rank others wait for is *stuck* (marked in the t
 call, though each call ends, is a *straggler* (`<< STRAGGLER`): over their last calls,
 the others' median wait is at least `STRAGGLER_MIN_S` and most of their call, and at
 least `STRAGGLER_RATIO` times its own. `render` is the text `dsml status` and `dsml status
---watch` print.
+--watch` print; `with_marks` is the reply as `--json` and the page's `status.json` give it,
+with those marks under `"marks"`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Row", "render", "rows"]
+__all__ = ["Row", "render", "rows", "with_marks"]
 
 PARTS = ("total", "waiting", "wire", "reduce", "copy", "other")  # a summary's p50_us order
 STRAGGLER_MIN_S = 1e-3  # the others' median wait per call, at least
@@ -82,6 +83,17 @@ def rows(status: dict[str, Any]) -> list[Row]:
             waiting.setdefault(waiter, []).append(m["rank"])
     table = [_row(m, sorted(waiting.get(m["rank"], []))) for m in members]
     return _with_stragglers(table)
+
+
+def with_marks(status: dict[str, Any]) -> dict[str, Any]:
+    """The reply with `"marks"`: `{"stuck": {rank: [ranks waiting for it]}, "stragglers":
+    {rank: the others' median wait per call in seconds}}` (rank keys as strings, JSON's)."""
+    table = rows(status)
+    marks = {
+        "stuck": {str(r.rank): r.waited_by for r in table if r.stuck},
+        "stragglers": {str(r.rank): r.straggles_s for r in table if r.straggler},
+    }
+    return {**status, "marks": marks}
 
 
 def _with_stragglers(table: list[Row]) -> list[Row]:

@@ -31,7 +31,7 @@ from dsml import CommConfig, ProtocolError, open_registry
 from dsml.config import RegistryConfig
 from dsml.membership.live import mark_waited_for, read_summary
 from dsml.status_page import StatusPoller, page, serve
-from dsml.status_view import STRAGGLER_RATIO, render, rows
+from dsml.status_view import STRAGGLER_RATIO, render, rows, with_marks
 from dsml.testing import open_local_cluster
 from dsml.transport import prove_secret
 from dsml.wire import Envelope, Kind
@@ -218,6 +218,8 @@ async def test_a_rank_the_others_wait_for_on_every_call_is_marked_a_straggler():
     line = next(x for x in render("tcp://x:1", status).splitlines() if "STRAGGLER" in x)
     assert re.match(r"~\s+2\s", line), line
     assert "<tr id='rank-2' class='straggler'" in page("x", status, "", 0.0, {}, 1.0)
+    marks = json.loads(json.dumps(with_marks(status)))["marks"]  # as --json prints it
+    assert marks == {"stuck": {}, "stragglers": {"2": slow.straggles_s}}
 
 
 def test_ranks_that_wait_alike_are_no_stragglers():
@@ -428,6 +430,7 @@ def test_status_and_watch_mark_rank_2_while_it_holds_a_collective_back(tmp_path:
     with registry_process() as address, held_job(address, tmp_path / "release"):
         status = wait_until_stuck(lambda: status_json(address))
         assert status["waited_for"] == [STUCK]
+        assert status["marks"] == {"stuck": {"2": [0, 1, 3]}, "stragglers": {}}
         by_rank = {m["rank"]: m for m in status["members"]}
         assert by_rank[STUCK]["waited_by"] == [0, 1, 3]
         assert by_rank[STUCK]["progress"]["call"] is None

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import ConfigError, RegistryUnavailableError
 from ..membership import query_status
 from ..status_page import StatusPoller, page_token, serve
-from ..status_view import render
+from ..status_view import render, with_marks
 from ..transport import Curve, job_secret
 from .keys import add_curve_keys_option
 
@@ -87,7 +87,7 @@ def _main(args: argparse.Namespace) -> int:
             print(json.dumps({"error": str(exc), "registry": args.registry}))
         return 1
     if args.json:
-        print(json.dumps(status, indent=2))
+        print(json.dumps(with_marks(status), indent=2))
     else:
         print(render(args.registry, status))
     return 0
