@@ -436,3 +436,45 @@ async def test_a_recv_cancelled_before_it_starts_leaves_no_unawaited_coroutine()
         gc.collect()
     unawaited = [w for w in caught if "never awaited" in str(w.message)]
     assert not unawaited, [str(w.message) for w in unawaited]
+
+
+async def test_a_recv_whose_await_is_cancelled_as_it_ends_gives_its_message_back():
+    """The await is cancelled in the turn the receive took its message (a wait_for's
+    timeout then): the message goes back to the head of its stream, for the next recv,
+    and the given-up handle does not hand it out too."""
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        handle = cluster[1].recv(0)
+        waiter: asyncio.Future[np.ndarray] | None = None
+        # Runs before the waiter's own wake-up: it is cancelled with the result ready.
+        handle.add_done_callback(lambda _h: waiter is not None and waiter.cancel())
+
+        async def take() -> np.ndarray:
+            return await handle
+
+        waiter = asyncio.ensure_future(take())
+        await asyncio.sleep(0)
+        await cluster[0].send(np.arange(3.0), 1)
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert handle.done()
+        assert not handle.cancelled()
+        with pytest.raises(asyncio.CancelledError):
+            handle.result()
+        await cluster[0].send(np.arange(4.0), 1)
+        assert_same_array(await cluster[1].recv(0), np.arange(3.0))
+        assert_same_array(await cluster[1].recv(0), np.arange(4.0))
+
+
+async def test_a_recv_handle_cancelled_once_it_ended_keeps_its_message():
+    """Cancelling a receive that has ended changes nothing: its handle still gives the
+    message, and nothing goes back to the stream (it would come twice)."""
+    async with open_local_cluster(2, config=PATIENT) as cluster:
+        first, second = cluster[1].recv(0), cluster[1].recv(0)
+        await cluster[0].send(np.arange(1.0), 1)
+        await cluster[0].send(np.arange(2.0), 1)
+        assert_same_array(await second, np.arange(2.0))
+        assert first.done()
+        first.cancel()  # too late: it has its message
+        assert_same_array(await first, np.arange(1.0))
+        await cluster[0].send(np.arange(5.0), 1)
+        assert_same_array(await cluster[1].recv(0), np.arange(5.0))

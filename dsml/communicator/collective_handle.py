@@ -88,7 +88,17 @@ class CollectiveHandle(Generic[T]):
     cancellation the ranks' copies of that data may differ; this rank's input is intact.
     """
 
-    __slots__ = ("__weakref__", "_claimed", "_site", "_task", "_unclaimed", "cid", "collective")
+    __slots__ = (
+        "__weakref__",
+        "_claimed",
+        "_give_back",
+        "_given_back",
+        "_site",
+        "_task",
+        "_unclaimed",
+        "cid",
+        "collective",
+    )
 
     def __init__(
         self,
@@ -96,8 +106,14 @@ class CollectiveHandle(Generic[T]):
         collective: str,
         cid: int,
         unclaimed: Unclaimed | None = None,
+        *,
+        give_back: Callable[[], bool] | None = None,
     ) -> None:
         self._task = task
+        #: a receive's: returns its message to the stream if the await is cancelled after
+        #: the task took it (the result would be lost with the cancelled awaiter)
+        self._give_back = give_back
+        self._given_back = False
         self.collective = collective
         self.cid = cid
         #: awaited, its result or exception asked for, or cancelled: not "never awaited"
@@ -143,10 +159,18 @@ class CollectiveHandle(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         self.claim()
         try:
-            return (yield from self._task.__await__())
+            result = yield from self._task.__await__()
         except asyncio.CancelledError:
             self._raise_if_closed()
+            task = self._task
+            ended = task.done() and not task.cancelled() and task.exception() is None
+            if self._give_back is not None and ended:
+                # The task ended with a message in the turn this await was cancelled.
+                self._given_back = self._given_back or self._give_back()
             raise
+        if self._given_back:  # a cancelled await of this handle gave the message back
+            raise asyncio.CancelledError("this receive's message went back to its stream")
+        return result
 
     def _raise_if_closed(self) -> None:
         closed = self._closed_error()
@@ -174,6 +198,8 @@ class CollectiveHandle(Generic[T]):
     def result(self) -> T:
         """The result; raises if the collective failed or is not done."""
         self.claim()
+        if self._given_back:
+            raise asyncio.CancelledError("this receive's message went back to its stream")
         try:
             return self._task.result()
         except asyncio.CancelledError:

@@ -177,16 +177,34 @@ class PointToPoint:
         except DsmlError as exc:  # the peer is gone or the links closed: nobody waits
             log.debug("a refusal to rank %d was not sent: %s", dst, exc)
 
+    def give_back(self, taken: list[Any]) -> bool:
+        """Put a message a receive took (recorded in `taken`) back at the head of its
+        stream, for the next receive: the caller gave the receive up (its await was
+        cancelled) after it had the message. Not once a later receive of the stream took
+        one, or a new view started the streams again; True if it went back."""
+        if not taken:
+            return False
+        group, src, tag, seq, item = taken
+        taken.clear()
+        if group != ("p2p", self._table.epoch) or self._received[(src, tag)] != seq:
+            return False
+        self._received[(src, tag)] = seq - 1
+        self._table.mailbox.put_back(group, (src, tag), item)
+        return True
+
     def plan_recv(self, src: object, tag: object) -> tuple[int, int]:
         """Validate a recv; returns (src, tag)."""
         return self._check_peer(src, tag, "src")
 
-    async def receive(self, call: Call, src: int, tag: int) -> Array:
+    async def receive(
+        self, call: Call, src: int, tag: int, taken: list[Any] | None = None
+    ) -> Array:
         """Take the next message from (src, tag) and turn it into a new array.
 
         Messages are numbered when taken, so a receive that timed out without one leaves
         the stream intact. If src has closed, queued messages are still delivered; after
         them, receiving fails (a `Goodbye` queues a marker behind the last message).
+        A message taken is recorded in `taken`, for `give_back`.
         """
         table = self._table
         group = ("p2p", table.epoch)
@@ -201,6 +219,8 @@ class PointToPoint:
         if env.cid != seq:
             raise ProtocolError(f"message #{env.cid} from rank {src} (tag {tag}) arrived as #{seq}")
         self._received[(src, tag)] = seq
+        if taken is not None:
+            taken[:] = [group, src, tag, seq, (env, frames)]
         if env.body is not None and "rejected" in env.body:
             reason = Fields(env.body, "PeerMessage").get_str("rejected", _MAX_REASON)
             raise CollectiveAbortedError(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ..config import CommConfig
@@ -171,9 +171,12 @@ class CallRunner:
         body: Coroutine[Any, Any, T],
         what: str,
         hint: str,
+        give_back: Callable[[], bool] | None = None,
     ) -> CollectiveHandle[T]:
         """Start a send or a receive; a receive's `call` is in the table while it waits, so
-        a peer's goodbye or a change of view fails it."""
+        a peer's goodbye or a change of view fails it. `give_back` returns a receive's
+        message to its stream when the receive is given up after it took it: its task
+        cancelled, or the task awaiting its handle cancelled in the turn it ended."""
         receive = call.fingerprint.collective == "recv"
         if receive:
             self._table.add_receive(call)
@@ -183,7 +186,11 @@ class CallRunner:
         call.task.add_done_callback(lambda _t: body.close())
         if receive:
             call.task.add_done_callback(lambda _t: self._table.end_receive(call))
-        return CollectiveHandle(call.task, call.fingerprint.collective, 0, self.unclaimed)
+        if give_back is not None:
+            call.task.add_done_callback(lambda t: t.cancelled() and give_back())
+        return CollectiveHandle(
+            call.task, call.fingerprint.collective, 0, self.unclaimed, give_back=give_back
+        )
 
     async def _run_p2p(self, call: Call, body: Coroutine[Any, Any, T], what: str, hint: str) -> T:
         deadline = self._loop.call_later(call.timeout, call.fail, DeadlinePassed())

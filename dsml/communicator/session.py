@@ -167,7 +167,9 @@ class Session:
             hint = (
                 f"rank {peer} has not sent it: check that it calls send(x, {self.rank}, tag={tag_})"
             )
-            return self.calls.p2p(call, self.p2p.receive(call, peer, tag_), what, hint)
+            taken: list[Any] = []  # the message, once taken: back to the stream if given up
+            body = self.p2p.receive(call, peer, tag_, taken)
+            return self.calls.p2p(call, body, what, hint, lambda: self.p2p.give_back(taken))
 
         return self.runner.on_loop(start)
 

@@ -37,6 +37,15 @@ class Mailbox(Generic[T]):
                 return
         self._append(group, key, item)
 
+    def put_back(self, group: Hashable, key: Hashable, item: T) -> None:
+        """Return an item taken from (group, key) to the head of its queue (or to the
+        oldest waiter: a queue with waiters is empty)."""
+        waiters = self._waiters.get((group, key))
+        if waiters:
+            self.put(group, key, item)
+        else:
+            self._append(group, key, item, front=True)
+
     def _append(self, group: Hashable, key: Hashable, item: T, *, front: bool = False) -> None:
         queues = self._groups.get(group)
         if queues is None:
