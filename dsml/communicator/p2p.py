@@ -187,6 +187,13 @@ class PointToPoint:
         group, src, tag, seq, item = taken
         taken.clear()
         if group != ("p2p", self._table.epoch) or self._received[(src, tag)] != seq:
+            log.warning(
+                "a recv from rank %d (tag %d) was given up after it took message #%d; a "
+                "later recv of the stream (or a new view) came first, so it is dropped",
+                src,
+                tag,
+                seq,
+            )
             return False
         self._received[(src, tag)] = seq - 1
         self._table.mailbox.put_back(group, (src, tag), item)
